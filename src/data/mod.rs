@@ -1,0 +1,3 @@
+//! Data: tokenization and batching. Knows nothing of models' internals or of MPI.
+
+pub mod tokenizer;

@@ -1,0 +1,187 @@
+//! sprtrain command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+use sprtrain::config::{Config, TaskName};
+use sprtrain::models::{self, hub, Task};
+use sprtrain::predict::{self, PredictArgs};
+use sprtrain::sysinfo;
+
+#[derive(Parser)]
+#[command(
+    name = "sprtrain",
+    version,
+    about = "Data-parallel fine-tuning of Hugging Face encoder models on CPU clusters"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PredictTask {
+    /// Sequence classification: fields `text` and optional `text_pair`.
+    SeqCls,
+    /// Extractive question answering: fields `question` and `context`.
+    Qa,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the CPU features, cores, libtorch build, threads and MPI library that training uses.
+    Env,
+    /// Run a model over a JSON Lines file and write each example's logits as JSON Lines.
+    Predict {
+        /// Model directory or Hugging Face Hub id.
+        #[arg(long)]
+        model: String,
+        /// Hub revision (branch, tag or commit).
+        #[arg(long, default_value = "main")]
+        revision: String,
+        #[arg(long, value_enum)]
+        task: PredictTask,
+        /// Input JSON Lines file.
+        #[arg(long)]
+        input: PathBuf,
+        /// Output JSON Lines file (written whole or not at all).
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long, default_value_t = 32)]
+        batch_size: usize,
+        /// Tokens per example including special tokens [default: the model's maximum].
+        #[arg(long)]
+        max_seq_len: Option<usize>,
+        /// Labels of a new classification head [default: config.json's].
+        #[arg(long)]
+        num_labels: Option<usize>,
+        /// Seed of a newly initialised head.
+        #[arg(long, default_value_t = 42)]
+        seed: i64,
+    },
+    /// Validate a config: parse it, apply --set, resolve and load the model and tokenizer
+    /// strictly, and print the resolved config.
+    Check {
+        /// TOML config file.
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config value, e.g. --set model.max_seq_len=256 (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+    },
+}
+
+fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
+    let config = Config::load(path, overrides)?;
+    let dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
+    let task = match config.model.task {
+        TaskName::SeqCls => Task::SequenceClassification,
+        TaskName::Qa => Task::QuestionAnswering,
+        TaskName::Mlm => Task::MaskedLm,
+    };
+    let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
+    let pretrained = models::from_pretrained(&dir, task, num_labels, config.runtime.seed as i64)?;
+    let class = pretrained.model.class_name();
+    for line in pretrained.report.summary_lines(&class, &dir) {
+        tracing::warn!("{line}");
+    }
+    let c = &pretrained.model.config;
+    let usable = predict::usable_positions(c);
+    if config.model.max_seq_len > usable {
+        anyhow::bail!(
+            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
+            config.model.max_seq_len,
+            c.max_position_embeddings
+        );
+    }
+    sprtrain::data::tokenizer::TextTokenizer::from_file(
+        &dir.join(hub::TOKENIZER_FILE),
+        c.pad_token_id,
+        config.model.max_seq_len,
+        sprtrain::data::tokenizer::Truncation::LongestFirst,
+    )?;
+    let params: i64 = pretrained
+        .vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    println!(
+        "# {class} from {}: {params} trainable parameters, {} tensors loaded",
+        dir.display(),
+        pretrained.report.loaded
+    );
+    print!("{}", config.to_toml()?);
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Env => print!("{}", sysinfo::report()),
+        Command::Predict {
+            model,
+            revision,
+            task,
+            input,
+            output,
+            batch_size,
+            max_seq_len,
+            num_labels,
+            seed,
+        } => {
+            let task = match task {
+                PredictTask::SeqCls => Task::SequenceClassification,
+                PredictTask::Qa => Task::QuestionAnswering,
+            };
+            let args = PredictArgs {
+                model,
+                revision,
+                task,
+                input,
+                output,
+                batch_size,
+                max_seq_len,
+                num_labels,
+                seed,
+            };
+            let n = predict::run(&args).context("predict")?;
+            eprintln!("wrote {n} predictions to {}", args.output.display());
+        }
+        Command::Check { config, overrides } => check(&config, &overrides)?,
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_target(false)
+        .without_time()
+        .with_writer(std::io::stderr)
+        .init();
+    // A panic is a bug in sprtrain, but the user still gets one line, not a backtrace.
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            let first = msg.lines().next().unwrap_or("");
+            eprintln!("sprtrain: internal error: {first} (RUST_BACKTRACE=1 shows where)");
+        }));
+    }
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sprtrain: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

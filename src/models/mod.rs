@@ -1,0 +1,474 @@
+//! Hugging Face encoder models in libtorch: BERT, DistilBERT and RoBERTa backbones with the
+//! task heads of transformers' `*ForSequenceClassification`, `*ForQuestionAnswering` and
+//! `*ForMaskedLM`. Variable paths in the `VarStore` are the transformers state-dict keys.
+//!
+//! Models know nothing of MPI, data files or training: they map token ids to outputs and losses.
+
+pub mod bert;
+pub mod distilbert;
+pub mod hf_config;
+pub mod hub;
+pub mod layers;
+pub mod weights;
+
+use anyhow::{bail, Result};
+use tch::{nn, Kind, Reduction, Tensor};
+
+use bert::{BertEncoder, BertPooler};
+use distilbert::DistilBertEncoder;
+pub use hf_config::{Activation, Arch, EncoderConfig, ProblemType};
+use layers::{activate, dropout, LayerNorm, Linear};
+
+/// What the model is for; selects the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// The bare encoder (`BertModel`): outputs the last hidden state.
+    Base,
+    SequenceClassification,
+    QuestionAnswering,
+    MaskedLm,
+}
+
+impl Task {
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "base" => Task::Base,
+            "seq-cls" => Task::SequenceClassification,
+            "qa" => Task::QuestionAnswering,
+            "mlm" => Task::MaskedLm,
+            other => bail!("unknown task {other:?} (expected seq-cls, qa, mlm or base)"),
+        })
+    }
+
+    fn class_suffix(self) -> &'static str {
+        match self {
+            Task::Base => "Model",
+            Task::SequenceClassification => "ForSequenceClassification",
+            Task::QuestionAnswering => "ForQuestionAnswering",
+            Task::MaskedLm => "ForMaskedLM",
+        }
+    }
+}
+
+/// One batch of token ids. All tensors are (B, T) int64 on the model's device.
+#[derive(Debug)]
+pub struct EncoderInputs {
+    pub input_ids: Tensor,
+    /// 1 for real tokens, 0 for padding.
+    pub attention_mask: Tensor,
+    /// Segment ids for sentence pairs; `None` means all zeros. DistilBERT ignores them.
+    pub token_type_ids: Option<Tensor>,
+}
+
+/// Targets for [`TaskModel::loss`].
+#[derive(Debug)]
+pub enum Labels {
+    /// (B) class ids, single-label classification.
+    Classes(Tensor),
+    /// (B, L) 0/1 floats, multi-label classification.
+    MultiHot(Tensor),
+    /// (B) or (B, L) floats, regression.
+    Values(Tensor),
+    /// (B) start and end token positions, question answering.
+    Spans { start: Tensor, end: Tensor },
+    /// (B, T) token ids, -100 where no prediction is scored, masked LM.
+    Tokens(Tensor),
+}
+
+/// A forward pass's results.
+#[derive(Debug)]
+pub struct ModelOutput {
+    /// Last hidden state, (B, T, C).
+    pub hidden: Tensor,
+    /// Sequence classification (B, L); question answering (B, T, 2); masked LM (B, T, V);
+    /// the hidden state for the bare encoder.
+    pub logits: Tensor,
+}
+
+impl ModelOutput {
+    /// Question answering: (start, end) logits, each (B, T).
+    pub fn span_logits(&self) -> (Tensor, Tensor) {
+        (self.logits.select(-1, 0), self.logits.select(-1, 1))
+    }
+}
+
+enum Backbone {
+    Bert {
+        encoder: BertEncoder,
+        pooler: Option<BertPooler>,
+    },
+    DistilBert(DistilBertEncoder),
+}
+
+impl Backbone {
+    fn word_embeddings(&self) -> &Tensor {
+        match self {
+            Backbone::Bert { encoder, .. } => encoder.embeddings.word_embeddings(),
+            Backbone::DistilBert(e) => e.embeddings.word_embeddings(),
+        }
+    }
+}
+
+/// Sequence-classification heads; each family pools the first token its own way.
+enum ClassifierHead {
+    /// `BertForSequenceClassification`: pooler (dense + tanh) -> dropout -> `classifier`.
+    Pooled { classifier: Linear, dropout: f64 },
+    /// `DistilBertForSequenceClassification`: `pre_classifier` -> ReLU -> dropout -> `classifier`.
+    PreClassifier {
+        pre_classifier: Linear,
+        classifier: Linear,
+        dropout: f64,
+    },
+    /// `RobertaClassificationHead`: dropout -> `classifier.dense` -> tanh -> dropout -> `classifier.out_proj`.
+    DenseTanh {
+        dense: Linear,
+        out_proj: Linear,
+        dropout: f64,
+    },
+}
+
+/// The masked-LM transform shared by the three families, with names that differ:
+/// dense -> activation -> LayerNorm -> decoder (the word embeddings unless untied) + bias.
+struct MlmHead {
+    dense: Linear,
+    norm: LayerNorm,
+    /// (V, C) own decoder weight when `tie_word_embeddings` is false.
+    untied_decoder: Option<Tensor>,
+    /// (V) the output bias in use: the head's `bias`, or, untied, the decoder's own
+    /// (transformers 5 then leaves BERT's and RoBERTa's head `bias` unused but saved).
+    bias: Tensor,
+    activation: Activation,
+}
+
+enum Head {
+    None,
+    Classifier(ClassifierHead),
+    Qa { qa_outputs: Linear, dropout: f64 },
+    Mlm(MlmHead),
+}
+
+/// A transformers `*Model` / `*For*` class: one backbone and one head.
+pub struct TaskModel {
+    pub config: EncoderConfig,
+    pub task: Task,
+    backbone: Backbone,
+    head: Head,
+}
+
+impl TaskModel {
+    /// Creates the variables under `root`, newly initialised as transformers initialises them.
+    /// Load a checkpoint over them with [`weights::load_checkpoint`].
+    pub fn new(root: &nn::Path, config: EncoderConfig, task: Task) -> Self {
+        let c = &config;
+        let r = c.initializer_range;
+        let h = c.hidden_size;
+        // Task models keep the backbone under `bert.` / `distilbert.` / `roberta.`.
+        let bb = if task == Task::Base {
+            root.clone()
+        } else {
+            root / c.arch.prefix()
+        };
+        let backbone = match c.arch {
+            Arch::Bert | Arch::Roberta => {
+                // Only BERT's classifier and the bare model use the pooler (add_pooling_layer).
+                let pooled = matches!(
+                    (c.arch, task),
+                    (Arch::Bert, Task::SequenceClassification) | (_, Task::Base)
+                );
+                Backbone::Bert {
+                    encoder: BertEncoder::new(bb.clone(), c),
+                    pooler: pooled.then(|| BertPooler::new(&bb / "pooler", c)),
+                }
+            }
+            Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
+        };
+        let n = c.num_labels() as i64;
+        let head = match task {
+            Task::Base => Head::None,
+            Task::SequenceClassification => Head::Classifier(match c.arch {
+                Arch::Bert => ClassifierHead::Pooled {
+                    classifier: Linear::new(root / "classifier", h, n, r),
+                    dropout: c.classifier_dropout,
+                },
+                Arch::DistilBert => ClassifierHead::PreClassifier {
+                    pre_classifier: Linear::new(root / "pre_classifier", h, h, r),
+                    classifier: Linear::new(root / "classifier", h, n, r),
+                    dropout: c.classifier_dropout,
+                },
+                Arch::Roberta => ClassifierHead::DenseTanh {
+                    dense: Linear::new(root / "classifier" / "dense", h, h, r),
+                    out_proj: Linear::new(root / "classifier" / "out_proj", h, n, r),
+                    dropout: c.classifier_dropout,
+                },
+            }),
+            Task::QuestionAnswering => Head::Qa {
+                qa_outputs: Linear::new(root / "qa_outputs", h, 2, r),
+                dropout: c.qa_dropout,
+            },
+            Task::MaskedLm => {
+                // (transform, its LayerNorm, owner of the bias, owner of an untied decoder weight)
+                let (dense, norm, bias, decoder, activation) = match c.arch {
+                    Arch::Bert => {
+                        let p = root / "cls" / "predictions";
+                        (
+                            &p / "transform" / "dense",
+                            &p / "transform" / "LayerNorm",
+                            p.clone(),
+                            &p / "decoder",
+                            c.activation,
+                        )
+                    }
+                    Arch::DistilBert => {
+                        let proj = root / "vocab_projector";
+                        (
+                            root / "vocab_transform",
+                            root / "vocab_layer_norm",
+                            proj.clone(),
+                            proj,
+                            c.activation,
+                        )
+                    }
+                    Arch::Roberta => {
+                        let l = root / "lm_head";
+                        (
+                            &l / "dense",
+                            &l / "layer_norm",
+                            l.clone(),
+                            &l / "decoder",
+                            Activation::Gelu,
+                        )
+                    }
+                };
+                let v = c.vocab_size;
+                let head_bias = bias.zeros("bias", &[v]);
+                let (untied_decoder, bias) = if c.tie_word_embeddings {
+                    (None, head_bias)
+                } else {
+                    let weight = decoder.var(
+                        "weight",
+                        &[v, h],
+                        nn::Init::Randn {
+                            mean: 0.0,
+                            stdev: r,
+                        },
+                    );
+                    // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head bias.
+                    let own_bias = if c.arch == Arch::DistilBert {
+                        head_bias
+                    } else {
+                        decoder.zeros("bias", &[v])
+                    };
+                    (Some(weight), own_bias)
+                };
+                Head::Mlm(MlmHead {
+                    dense: Linear::new(dense, h, h, r),
+                    norm: LayerNorm::new(norm, h, c.layer_norm_eps),
+                    untied_decoder,
+                    bias,
+                    activation,
+                })
+            }
+        };
+        TaskModel {
+            config,
+            task,
+            backbone,
+            head,
+        }
+    }
+
+    /// The transformers class this model mirrors, e.g. `BertForQuestionAnswering`.
+    pub fn class_name(&self) -> String {
+        format!(
+            "{}{}",
+            self.config.arch.class_stem(),
+            self.task.class_suffix()
+        )
+    }
+
+    /// Whether a variable is allowed to be absent from a checkpoint (then newly initialised):
+    /// task heads and the pooler, as transformers allows.
+    pub fn may_be_newly_initialised(&self, name: &str) -> bool {
+        if self.task == Task::Base {
+            return name.starts_with("pooler.");
+        }
+        let prefix = self.config.arch.prefix();
+        match name
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('.'))
+        {
+            Some(rest) => rest.starts_with("pooler."),
+            None => true,
+        }
+    }
+
+    pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> ModelOutput {
+        let (hidden, pooled) = match &self.backbone {
+            Backbone::Bert { encoder, pooler } => {
+                let hidden = encoder.forward(inputs, train);
+                let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
+                (hidden, pooled)
+            }
+            Backbone::DistilBert(e) => (e.forward(inputs, train), None),
+        };
+        let logits = match &self.head {
+            Head::None => hidden.shallow_clone(),
+            Head::Classifier(head) => {
+                let first = hidden.select(1, 0); // (B, C)
+                match head {
+                    ClassifierHead::Pooled {
+                        classifier,
+                        dropout: p,
+                    } => {
+                        let pooled = pooled.expect("BERT classification builds its pooler");
+                        classifier.forward(&dropout(&pooled, *p, train))
+                    }
+                    ClassifierHead::PreClassifier {
+                        pre_classifier,
+                        classifier,
+                        dropout: p,
+                    } => {
+                        let x = pre_classifier.forward(&first).relu();
+                        classifier.forward(&dropout(&x, *p, train))
+                    }
+                    ClassifierHead::DenseTanh {
+                        dense,
+                        out_proj,
+                        dropout: p,
+                    } => {
+                        let x = dense.forward(&dropout(&first, *p, train)).tanh();
+                        out_proj.forward(&dropout(&x, *p, train))
+                    }
+                }
+            }
+            Head::Qa {
+                qa_outputs,
+                dropout: p,
+            } => qa_outputs.forward(&dropout(&hidden, *p, train)),
+            Head::Mlm(m) => {
+                let x = m
+                    .norm
+                    .forward(&activate(m.activation, &m.dense.forward(&hidden)));
+                let decoder = m
+                    .untied_decoder
+                    .as_ref()
+                    .unwrap_or_else(|| self.backbone.word_embeddings());
+                x.linear(decoder, Some(&m.bias)) // (B, T, V)
+            }
+        };
+        ModelOutput { hidden, logits }
+    }
+
+    /// The loss transformers computes for this head and these labels (mean over the batch).
+    pub fn loss(&self, out: &ModelOutput, labels: &Labels) -> Result<Tensor> {
+        let problem = self.config.resolved_problem_type();
+        Ok(match (self.task, labels) {
+            (Task::SequenceClassification, Labels::Classes(y))
+                if problem == ProblemType::SingleLabel =>
+            {
+                let n = self.config.num_labels() as i64;
+                out.logits.view([-1, n]).cross_entropy_loss::<Tensor>(
+                    &y.view([-1]),
+                    None,
+                    Reduction::Mean,
+                    -100,
+                    0.0,
+                )
+            }
+            (Task::SequenceClassification, Labels::MultiHot(y))
+                if problem == ProblemType::MultiLabel =>
+            {
+                out.logits.binary_cross_entropy_with_logits::<Tensor>(
+                    &y.to_kind(out.logits.kind()),
+                    None,
+                    None,
+                    Reduction::Mean,
+                )
+            }
+            (Task::SequenceClassification, Labels::Values(y))
+                if problem == ProblemType::Regression =>
+            {
+                let y = y.to_kind(out.logits.kind());
+                if self.config.num_labels() == 1 {
+                    out.logits.squeeze().mse_loss(&y.squeeze(), Reduction::Mean)
+                } else {
+                    out.logits.mse_loss(&y, Reduction::Mean)
+                }
+            }
+            (Task::QuestionAnswering, Labels::Spans { start, end }) => {
+                let (s, e) = out.span_logits();
+                // Positions outside the sequence are clamped to T and ignored, as in transformers.
+                let t = s.size()[1];
+                let ce = |logits: &Tensor, y: &Tensor| {
+                    logits.cross_entropy_loss::<Tensor>(
+                        &y.clamp(0, t),
+                        None,
+                        Reduction::Mean,
+                        t,
+                        0.0,
+                    )
+                };
+                (ce(&s, start) + ce(&e, end)) / 2.0
+            }
+            (Task::MaskedLm, Labels::Tokens(y)) => {
+                let v = self.config.vocab_size;
+                out.logits.view([-1, v]).cross_entropy_loss::<Tensor>(
+                    &y.view([-1]),
+                    None,
+                    Reduction::Mean,
+                    -100,
+                    0.0,
+                )
+            }
+            (task, labels) => bail!(
+                "labels {:?} do not fit task {task:?} with problem type {}",
+                std::mem::discriminant(labels),
+                problem.as_hf_str()
+            ),
+        })
+    }
+}
+
+/// Default floating dtype of every parameter: fp32 master weights.
+pub const PARAM_KIND: Kind = Kind::Float;
+
+/// A model built from a pretrained directory, with its variables and what the load did.
+pub struct Pretrained {
+    pub vs: nn::VarStore,
+    pub model: TaskModel,
+    pub report: weights::LoadReport,
+}
+
+/// Builds `task`'s model from `dir` (config.json + safetensors), like transformers'
+/// `AutoModelFor*.from_pretrained`. `num_labels` overrides config.json's for a new head.
+/// New heads are initialised from `seed`.
+pub fn from_pretrained(
+    dir: &std::path::Path,
+    task: Task,
+    num_labels: Option<usize>,
+    seed: i64,
+) -> Result<Pretrained> {
+    use anyhow::Context;
+    let config_path = dir.join(hub::CONFIG_FILE);
+    if !config_path.is_file() {
+        bail!(
+            "no {} in model directory {}",
+            hub::CONFIG_FILE,
+            dir.display()
+        );
+    }
+    let mut config = EncoderConfig::from_file(&config_path)?;
+    if let Some(n) = num_labels {
+        if n == 0 {
+            bail!("num_labels must be at least 1");
+        }
+        config.set_num_labels(n);
+    }
+    let checkpoint = weights::read_checkpoint(dir)?;
+    tch::manual_seed(seed);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let model = TaskModel::new(&vs.root(), config, task);
+    let report = weights::load_checkpoint(&vs, &model, checkpoint)
+        .with_context(|| format!("cannot load {} from {}", model.class_name(), dir.display()))?;
+    Ok(Pretrained { vs, model, report })
+}

@@ -1,0 +1,240 @@
+//! `sprtrain predict`: run a model over a JSON Lines file and write every example's logits, so a
+//! model can be checked black-box against transformers.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use tch::{Kind, Tensor};
+
+use crate::data::tokenizer::{collate, TextTokenizer, Truncation};
+use crate::models::{self, hub, ProblemType, Task};
+
+/// Longest answer, in tokens, considered for a question (transformers' `max_answer_length`).
+const MAX_ANSWER_TOKENS: usize = 30;
+
+pub struct PredictArgs {
+    pub model: String,
+    pub revision: String,
+    pub task: Task,
+    pub input: PathBuf,
+    pub output: PathBuf,
+    pub batch_size: usize,
+    /// Tokens per example including special tokens; `None` means the model's maximum.
+    pub max_seq_len: Option<usize>,
+    /// Labels for a new classification head when config.json has none to say.
+    pub num_labels: Option<usize>,
+    pub seed: i64,
+}
+
+/// One input line.
+struct Example {
+    id: Option<Value>,
+    first: String,
+    second: Option<String>,
+}
+
+fn field(obj: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Option<String>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => bail!("{at}: field {key:?} must be a string, got {other}"),
+    }
+}
+
+fn read_examples(path: &Path, task: Task) -> Result<Vec<Example>> {
+    let file = std::fs::File::open(path)
+        .with_context(|| format!("cannot open input {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let at = format!("{}:{}", path.display(), i + 1);
+        let line = line.with_context(|| format!("{at}: cannot read line"))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value =
+            serde_json::from_str(&line).with_context(|| format!("{at}: invalid JSON"))?;
+        let obj = value
+            .as_object()
+            .with_context(|| format!("{at}: expected a JSON object"))?;
+        let (first_key, second_key, second_required) = match task {
+            Task::QuestionAnswering => ("question", "context", true),
+            _ => ("text", "text_pair", false),
+        };
+        let first = field(obj, first_key, &at)?
+            .with_context(|| format!("{at}: missing field {first_key:?}"))?;
+        let second = field(obj, second_key, &at)?;
+        if second_required && second.is_none() {
+            bail!("{at}: missing field {second_key:?}");
+        }
+        out.push(Example {
+            id: obj.get("id").cloned(),
+            first,
+            second,
+        });
+    }
+    if out.is_empty() {
+        bail!("input {} holds no examples", path.display());
+    }
+    Ok(out)
+}
+
+fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(Vec::<f32>::try_from(
+        t.to_kind(Kind::Float).contiguous().view([-1]),
+    )?)
+}
+
+fn classification_record(logits: Vec<f32>, config: &models::EncoderConfig) -> Value {
+    let mut rec = json!({ "logits": logits });
+    match config.resolved_problem_type() {
+        ProblemType::SingleLabel => {
+            let best = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i)
+                .unwrap_or(0);
+            rec["label_id"] = json!(best);
+            rec["label"] = json!(config.id2label.get(&best));
+        }
+        ProblemType::MultiLabel => {
+            // sigmoid(x) > 0.5 exactly when x > 0.
+            let names: Vec<&String> = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| **x > 0.0)
+                .filter_map(|(i, _)| config.id2label.get(&i))
+                .collect();
+            rec["labels"] = json!(names);
+        }
+        ProblemType::Regression => {}
+    }
+    rec
+}
+
+/// Best span inside the context (second sequence), scored start + end logit.
+fn best_span(
+    start: &[f32],
+    end: &[f32],
+    enc: &tokenizers::Encoding,
+) -> Option<(usize, usize, f32)> {
+    let in_context: Vec<bool> = enc
+        .get_sequence_ids()
+        .iter()
+        .map(|s| *s == Some(1))
+        .collect();
+    let mut best: Option<(usize, usize, f32)> = None;
+    for s in (0..start.len()).filter(|&s| in_context[s]) {
+        for e in (s..start.len().min(s + MAX_ANSWER_TOKENS)).filter(|&e| in_context[e]) {
+            let score = start[s] + end[e];
+            if best.is_none_or(|(_, _, b)| score > b) {
+                best = Some((s, e, score));
+            }
+        }
+    }
+    best
+}
+
+fn qa_record(start: Vec<f32>, end: Vec<f32>, enc: &tokenizers::Encoding, context: &str) -> Value {
+    let mut rec = json!({});
+    if let Some((s, e, score)) = best_span(&start, &end, enc) {
+        let (from, to) = (enc.get_offsets()[s].0, enc.get_offsets()[e].1);
+        let answer: String = context
+            .chars()
+            .skip(from)
+            .take(to.saturating_sub(from))
+            .collect();
+        rec["answer"] = json!(answer);
+        rec["answer_start"] = json!(from);
+        rec["score"] = json!(score);
+    }
+    rec["start_logits"] = json!(start);
+    rec["end_logits"] = json!(end);
+    rec
+}
+
+/// Longest input the position embeddings allow. RoBERTa's positions start after the padding
+/// index, so it fits `pad_token_id + 1` fewer tokens than it has positions.
+pub fn usable_positions(config: &models::EncoderConfig) -> usize {
+    let positions = config.max_position_embeddings as usize;
+    match config.arch {
+        models::Arch::Roberta => positions.saturating_sub(config.pad_token_id as usize + 1),
+        _ => positions,
+    }
+}
+
+/// Runs the command; returns the number of examples written.
+pub fn run(args: &PredictArgs) -> Result<usize> {
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    if !matches!(
+        args.task,
+        Task::SequenceClassification | Task::QuestionAnswering
+    ) {
+        bail!("predict supports the seq-cls and qa tasks");
+    }
+    let examples = read_examples(&args.input, args.task)?;
+    let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
+    let pretrained = models::from_pretrained(&dir, args.task, args.num_labels, args.seed)?;
+    let model = &pretrained.model;
+    for line in pretrained.report.summary_lines(&model.class_name(), &dir) {
+        tracing::warn!("{line}");
+    }
+    let usable = usable_positions(&model.config);
+    let max_len = args.max_seq_len.unwrap_or(usable);
+    if max_len > usable {
+        bail!(
+            "--max-seq-len {max_len} exceeds the {usable} tokens the model's {} position embeddings allow",
+            model.config.max_position_embeddings
+        );
+    }
+    let truncation = match args.task {
+        Task::QuestionAnswering => Truncation::OnlySecond,
+        _ => Truncation::LongestFirst,
+    };
+    let tokenizer = TextTokenizer::from_file(
+        &dir.join(hub::TOKENIZER_FILE),
+        model.config.pad_token_id,
+        max_len,
+        truncation,
+    )?;
+
+    let tmp = args.output.with_extension("jsonl.partial");
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?,
+    );
+    for chunk in examples.chunks(args.batch_size) {
+        let texts: Vec<(String, Option<String>)> = chunk
+            .iter()
+            .map(|e| (e.first.clone(), e.second.clone()))
+            .collect();
+        let encodings = tokenizer.encode_batch(&texts)?;
+        let inputs = collate(&encodings, tokenizer.pad_id())?;
+        let output = tch::no_grad(|| model.forward(&inputs, false));
+        for (row, (ex, enc)) in chunk.iter().zip(&encodings).enumerate() {
+            let real = enc.len() as i64;
+            let mut rec = match args.task {
+                Task::QuestionAnswering => {
+                    let (s, e) = output.span_logits();
+                    let start = to_vec(&s.get(row as i64).narrow(0, 0, real))?;
+                    let end = to_vec(&e.get(row as i64).narrow(0, 0, real))?;
+                    qa_record(start, end, enc, ex.second.as_deref().unwrap_or_default())
+                }
+                _ => classification_record(to_vec(&output.logits.get(row as i64))?, &model.config),
+            };
+            if let Some(id) = &ex.id {
+                rec["id"] = id.clone();
+            }
+            writeln!(out, "{rec}").with_context(|| format!("cannot write {}", tmp.display()))?;
+        }
+    }
+    out.flush()
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    drop(out);
+    std::fs::rename(&tmp, &args.output)
+        .with_context(|| format!("cannot move {} to {}", tmp.display(), args.output.display()))?;
+    Ok(examples.len())
+}

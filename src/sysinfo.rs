@@ -1,0 +1,141 @@
+//! What the machine offers for training: CPU features, cores, libtorch build, threads, MPI.
+//! Used by `sprtrain env` and by `precision = "auto"`.
+
+use std::fmt::Write as _;
+
+/// CPU features that decide the training precision and kernels.
+#[derive(Debug, Clone, Default)]
+pub struct CpuInfo {
+    pub model: String,
+    pub avx2: bool,
+    pub avx512f: bool,
+    pub avx512_bf16: bool,
+    pub amx_bf16: bool,
+    pub amx_tile: bool,
+}
+
+impl CpuInfo {
+    /// Parses /proc/cpuinfo text (the first processor's model name and flags).
+    pub fn parse(cpuinfo: &str) -> Self {
+        let value = |key: &str| {
+            cpuinfo
+                .lines()
+                .find(|l| l.split(':').next().map(str::trim) == Some(key))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        let flags = value("flags");
+        let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+        CpuInfo {
+            model: value("model name"),
+            avx2: has("avx2"),
+            avx512f: has("avx512f"),
+            avx512_bf16: has("avx512_bf16"),
+            amx_bf16: has("amx_bf16"),
+            amx_tile: has("amx_tile"),
+        }
+    }
+
+    pub fn detect() -> Self {
+        std::fs::read_to_string("/proc/cpuinfo")
+            .map(|s| Self::parse(&s))
+            .unwrap_or_default()
+    }
+
+    /// bf16 pays off only with bf16 units (AMX or AVX512-BF16); elsewhere it is emulated and slow.
+    pub fn has_bf16_units(&self) -> bool {
+        self.amx_bf16 || self.avx512_bf16
+    }
+}
+
+pub fn libtorch_version() -> &'static str {
+    env!("SPRTRAIN_LIBTORCH_VERSION")
+}
+
+/// The `sprtrain env` report.
+pub fn report() -> String {
+    let cpu = CpuInfo::detect();
+    let yes_no = |b: bool| if b { "yes" } else { "no" };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "cpu              {}",
+        if cpu.model.is_empty() {
+            "unknown"
+        } else {
+            &cpu.model
+        }
+    );
+    let _ = writeln!(
+        s,
+        "cpu flags        avx2={} avx512f={} avx512_bf16={} amx_bf16={} amx_tile={}",
+        yes_no(cpu.avx2),
+        yes_no(cpu.avx512f),
+        yes_no(cpu.avx512_bf16),
+        yes_no(cpu.amx_bf16),
+        yes_no(cpu.amx_tile)
+    );
+    let _ = writeln!(
+        s,
+        "cores            {} physical, {} logical",
+        num_cpus::get_physical(),
+        num_cpus::get()
+    );
+    let _ = writeln!(s, "libtorch         {}", libtorch_version());
+    let _ = writeln!(
+        s,
+        "oneDNN (mkldnn)  {}   openmp {}   mkl {}",
+        if tch::utils::has_mkldnn() {
+            "on"
+        } else {
+            "off"
+        },
+        yes_no(tch::utils::has_openmp()),
+        yes_no(tch::utils::has_mkl())
+    );
+    let _ = writeln!(
+        s,
+        "torch threads    intra-op {}, inter-op {}   (OMP_NUM_THREADS={})",
+        tch::get_num_threads(),
+        tch::get_num_interop_threads(),
+        std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".into())
+    );
+    let mpi = mpi::environment::library_version().unwrap_or_else(|_| "unknown".into());
+    let (major, minor) = mpi::environment::version();
+    let _ = writeln!(
+        s,
+        "MPI              standard {major}.{minor}: {}",
+        mpi.lines().next().unwrap_or("").trim()
+    );
+    let _ = writeln!(
+        s,
+        "precision auto   {}",
+        if cpu.has_bf16_units() {
+            "bf16 (the CPU has bf16 units)"
+        } else {
+            "fp32 (no AMX-BF16 or AVX512-BF16 on this CPU)"
+        }
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sapphire_rapids_flags_select_bf16() {
+        let text = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\
+                    flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n";
+        let cpu = CpuInfo::parse(text);
+        assert_eq!(cpu.model, "Intel(R) Xeon(R) Platinum 8480+");
+        assert!(cpu.avx512f && cpu.amx_tile && cpu.has_bf16_units());
+    }
+
+    #[test]
+    fn avx2_only_stays_fp32() {
+        let cpu = CpuInfo::parse("model name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n");
+        assert!(cpu.avx2 && !cpu.avx512f && !cpu.has_bf16_units());
+    }
+}

