@@ -158,20 +158,9 @@ impl Config {
         }
         let config: Config =
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
-                let path = e.path().to_string();
+                // The path runs down to the offending key, unknown keys included.
+                let key = e.path().to_string();
                 let message = e.inner().message().trim().to_string();
-                // For an unknown key the path stops at its section; name the key itself too.
-                let key = message
-                    .strip_prefix("unknown field `")
-                    .and_then(|rest| rest.split('`').next())
-                    .map(|k| {
-                        if path == "." {
-                            k.to_string()
-                        } else {
-                            format!("{path}.{k}")
-                        }
-                    })
-                    .unwrap_or(path);
                 anyhow!("{key}: {message}")
             })?;
         config.validate()?;
@@ -262,5 +251,31 @@ mod tests {
             Precision::Bf16.resolve(&CpuInfo::default()),
             Precision::Bf16
         );
+    }
+
+    /// configs/reference.toml must be the defaults, each key documented by a comment above it.
+    #[test]
+    fn reference_config_lists_every_field() {
+        let text = include_str!("../configs/reference.toml");
+        assert_eq!(Config::from_toml_str(text, &[]).unwrap(), Config::default());
+        let defaults = toml::Value::try_from(Config::default()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for (section, fields) in defaults.as_table().unwrap() {
+            let start = lines
+                .iter()
+                .position(|l| *l == format!("[{section}]"))
+                .expect(section);
+            for key in fields.as_table().unwrap().keys() {
+                let at = start
+                    + lines[start..]
+                        .iter()
+                        .position(|l| l.starts_with(&format!("{key} = ")))
+                        .unwrap_or_else(|| panic!("{section}.{key} missing"));
+                assert!(
+                    lines[at - 1].starts_with('#'),
+                    "{section}.{key} has no doc comment"
+                );
+            }
+        }
     }
 }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 
 use sprtrain::config::{Config, TaskName};
 use sprtrain::models::{self, hub, Task};
@@ -22,46 +22,12 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum PredictTask {
-    /// Sequence classification: fields `text` and optional `text_pair`.
-    SeqCls,
-    /// Extractive question answering: fields `question` and `context`.
-    Qa,
-}
-
 #[derive(Subcommand)]
 enum Command {
     /// Print the CPU features, cores, libtorch build, threads and MPI library that training uses.
     Env,
     /// Run a model over a JSON Lines file and write each example's logits as JSON Lines.
-    Predict {
-        /// Model directory or Hugging Face Hub id.
-        #[arg(long)]
-        model: String,
-        /// Hub revision (branch, tag or commit).
-        #[arg(long, default_value = "main")]
-        revision: String,
-        #[arg(long, value_enum)]
-        task: PredictTask,
-        /// Input JSON Lines file.
-        #[arg(long)]
-        input: PathBuf,
-        /// Output JSON Lines file (written whole or not at all).
-        #[arg(long)]
-        output: PathBuf,
-        #[arg(long, default_value_t = 32)]
-        batch_size: usize,
-        /// Tokens per example including special tokens [default: the model's maximum].
-        #[arg(long)]
-        max_seq_len: Option<usize>,
-        /// Labels of a new classification head [default: config.json's].
-        #[arg(long)]
-        num_labels: Option<usize>,
-        /// Seed of a newly initialised head.
-        #[arg(long, default_value_t = 42)]
-        seed: i64,
-    },
+    Predict(PredictArgs),
     /// Validate a config: parse it, apply --set, resolve and load the model and tokenizer
     /// strictly, and print the resolved config.
     Check {
@@ -75,7 +41,10 @@ enum Command {
 }
 
 fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
-    let config = Config::load(path, overrides)?;
+    let config = Config::from_toml_str(
+        &std::fs::read_to_string(path).context("cannot read the file")?,
+        overrides,
+    )?;
     let dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
     let task = match config.model.task {
         TaskName::SeqCls => Task::SequenceClassification,
@@ -121,36 +90,13 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Env => print!("{}", sysinfo::report()),
-        Command::Predict {
-            model,
-            revision,
-            task,
-            input,
-            output,
-            batch_size,
-            max_seq_len,
-            num_labels,
-            seed,
-        } => {
-            let task = match task {
-                PredictTask::SeqCls => Task::SequenceClassification,
-                PredictTask::Qa => Task::QuestionAnswering,
-            };
-            let args = PredictArgs {
-                model,
-                revision,
-                task,
-                input,
-                output,
-                batch_size,
-                max_seq_len,
-                num_labels,
-                seed,
-            };
+        Command::Predict(args) => {
             let n = predict::run(&args).context("predict")?;
             eprintln!("wrote {n} predictions to {}", args.output.display());
         }
-        Command::Check { config, overrides } => check(&config, &overrides)?,
+        Command::Check { config, overrides } => {
+            check(&config, &overrides).with_context(|| format!("config {}", config.display()))?
+        }
     }
     Ok(())
 }
@@ -161,6 +107,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .with_writer(std::io::stderr)
         .init();

@@ -14,17 +14,42 @@ use crate::models::{self, hub, ProblemType, Task};
 /// Longest answer, in tokens, considered for a question (transformers' `max_answer_length`).
 const MAX_ANSWER_TOKENS: usize = 30;
 
+/// Which head `predict` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PredictTask {
+    /// Sequence classification: fields `text` and optional `text_pair`.
+    SeqCls,
+    /// Extractive question answering: fields `question` and `context`.
+    Qa,
+}
+
+/// `sprtrain predict` options.
+#[derive(Debug, Clone, clap::Args)]
 pub struct PredictArgs {
+    /// Model directory or Hugging Face Hub id.
+    #[arg(long)]
     pub model: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long, default_value = "main")]
     pub revision: String,
-    pub task: Task,
+    #[arg(long, value_enum)]
+    pub task: PredictTask,
+    /// Input JSON Lines file.
+    #[arg(long)]
     pub input: PathBuf,
+    /// Output JSON Lines file (written whole or not at all).
+    #[arg(long)]
     pub output: PathBuf,
+    #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Tokens per example including special tokens; `None` means the model's maximum.
+    /// Tokens per example including special tokens [default: the model's maximum].
+    #[arg(long)]
     pub max_seq_len: Option<usize>,
-    /// Labels for a new classification head when config.json has none to say.
+    /// Labels of a new classification head [default: config.json's].
+    #[arg(long)]
     pub num_labels: Option<usize>,
+    /// Seed of a newly initialised head.
+    #[arg(long, default_value_t = 42)]
     pub seed: i64,
 }
 
@@ -170,15 +195,13 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    if !matches!(
-        args.task,
-        Task::SequenceClassification | Task::QuestionAnswering
-    ) {
-        bail!("predict supports the seq-cls and qa tasks");
-    }
-    let examples = read_examples(&args.input, args.task)?;
+    let task = match args.task {
+        PredictTask::SeqCls => Task::SequenceClassification,
+        PredictTask::Qa => Task::QuestionAnswering,
+    };
+    let examples = read_examples(&args.input, task)?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
-    let pretrained = models::from_pretrained(&dir, args.task, args.num_labels, args.seed)?;
+    let pretrained = models::from_pretrained(&dir, task, args.num_labels, args.seed)?;
     let model = &pretrained.model;
     for line in pretrained.report.summary_lines(&model.class_name(), &dir) {
         tracing::warn!("{line}");
@@ -191,7 +214,7 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
             model.config.max_position_embeddings
         );
     }
-    let truncation = match args.task {
+    let truncation = match task {
         Task::QuestionAnswering => Truncation::OnlySecond,
         _ => Truncation::LongestFirst,
     };
@@ -216,7 +239,7 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
         let output = tch::no_grad(|| model.forward(&inputs, false));
         for (row, (ex, enc)) in chunk.iter().zip(&encodings).enumerate() {
             let real = enc.len() as i64;
-            let mut rec = match args.task {
+            let mut rec = match task {
                 Task::QuestionAnswering => {
                     let (s, e) = output.span_logits();
                     let start = to_vec(&s.get(row as i64).narrow(0, 0, real))?;

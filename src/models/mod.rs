@@ -12,7 +12,7 @@ pub mod layers;
 pub mod weights;
 
 use anyhow::{bail, Result};
-use tch::{nn, Kind, Reduction, Tensor};
+use tch::{nn, Reduction, Tensor};
 
 use bert::{BertEncoder, BertPooler};
 use distilbert::DistilBertEncoder;
@@ -366,14 +366,7 @@ impl TaskModel {
             (Task::SequenceClassification, Labels::Classes(y))
                 if problem == ProblemType::SingleLabel =>
             {
-                let n = self.config.num_labels() as i64;
-                out.logits.view([-1, n]).cross_entropy_loss::<Tensor>(
-                    &y.view([-1]),
-                    None,
-                    Reduction::Mean,
-                    -100,
-                    0.0,
-                )
+                mean_cross_entropy(&out.logits, y, self.config.num_labels() as i64)
             }
             (Task::SequenceClassification, Labels::MultiHot(y))
                 if problem == ProblemType::MultiLabel =>
@@ -411,14 +404,7 @@ impl TaskModel {
                 (ce(&s, start) + ce(&e, end)) / 2.0
             }
             (Task::MaskedLm, Labels::Tokens(y)) => {
-                let v = self.config.vocab_size;
-                out.logits.view([-1, v]).cross_entropy_loss::<Tensor>(
-                    &y.view([-1]),
-                    None,
-                    Reduction::Mean,
-                    -100,
-                    0.0,
-                )
+                mean_cross_entropy(&out.logits, y, self.config.vocab_size)
             }
             (task, labels) => bail!(
                 "labels {:?} do not fit task {task:?} with problem type {}",
@@ -429,8 +415,17 @@ impl TaskModel {
     }
 }
 
-/// Default floating dtype of every parameter: fp32 master weights.
-pub const PARAM_KIND: Kind = Kind::Float;
+/// Cross-entropy over (.., classes) logits, averaged over targets that are not -100
+/// (PyTorch's default `ignore_index`).
+fn mean_cross_entropy(logits: &Tensor, targets: &Tensor, classes: i64) -> Tensor {
+    logits.view([-1, classes]).cross_entropy_loss::<Tensor>(
+        &targets.view([-1]),
+        None,
+        Reduction::Mean,
+        -100,
+        0.0,
+    )
+}
 
 /// A model built from a pretrained directory, with its variables and what the load did.
 pub struct Pretrained {

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One-command setup on Debian bookworm with a Rust toolchain. Idempotent: a second run only
+# checks and rebuilds what changed.
+#
+#   scripts/setup.sh              system packages, the libtorch venv (.venv), release build
+#   scripts/setup.sh --reference  also the Python reference venv (.venv-ref: torch + transformers)
+#
+# The binary gets an rpath to .venv's libtorch, so it runs without LD_LIBRARY_PATH or an
+# activated venv (as long as the checkout's .venv stays where it is).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+reference=0
+for arg in "$@"; do
+  case "$arg" in
+    --reference) reference=1 ;;
+    *) echo "usage: scripts/setup.sh [--reference]" >&2; exit 2 ;;
+  esac
+done
+say() { printf '==> %s\n' "$*"; }
+
+# 1. System packages: MPICH (rsmpi builds against it), libclang (bindgen), a venv-capable Python.
+packages=(mpich libmpich-dev libclang-dev pkg-config python3-venv build-essential)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# A Python from elsewhere (pyenv) brings its own venv module.
+if [ "${#missing[@]}" -gt 0 ] && [ "${missing[*]}" = "python3-venv" ] && python3 -m venv --help >/dev/null 2>&1; then
+  missing=()
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  say "installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  say "system packages present"
+fi
+
+# 2. A venv whose requirements are installed once; a stamp records what was installed.
+make_venv() { # dir requirements-file pip-flags...
+  local dir=$1 req=$2; shift 2
+  local stamp="$dir/.sprtrain-installed"
+  if [ -f "$stamp" ] && cmp -s "$stamp" "$req"; then
+    say "$dir up to date"
+    return
+  fi
+  [ -x "$dir/bin/python" ] || python3 -m venv "$dir"
+  say "installing $req into $dir"
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@" -r "$req"
+  cp "$req" "$stamp"
+}
+make_venv .venv scripts/requirements-libtorch.txt --no-deps
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+ln -sfn "$site/torch" .venv/libtorch   # .cargo/config.toml points LIBTORCH here
+if [ "$reference" -eq 1 ]; then
+  make_venv .venv-ref scripts/requirements-reference.txt
+fi
+
+# 3. The release build (torch-sys compiles its C++ wrapper once: ~5 min on 2 cores).
+say "building sprtrain (release)"
+cargo build --release --quiet
+say "ready: $root/target/release/sprtrain"
