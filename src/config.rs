@@ -15,8 +15,172 @@ use crate::sysinfo::CpuInfo;
 pub struct Config {
     /// Which model to load and for what task.
     pub model: ModelConfig,
+    /// Training and evaluation data.
+    pub data: DataConfig,
+    /// The optimization run.
+    pub train: TrainConfig,
+    /// Evaluation during and after training.
+    pub eval: EvalConfig,
     /// Numerics and threads.
     pub runtime: RuntimeConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    Auto,
+    Csv,
+    Tsv,
+    Jsonl,
+    Parquet,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// Training file: CSV, TSV, JSON Lines or Parquet; or `hf://datasets/OWNER/NAME[@REVISION]/PATH`.
+    pub train_file: String,
+    /// Evaluation file (same forms); empty to hold out `eval_split` of the training file instead.
+    pub eval_file: String,
+    /// Fraction of the training file held out for evaluation when `eval_file` is empty
+    /// (a seeded shuffle; 0 = no evaluation data).
+    pub eval_split: f64,
+    /// "auto" (from the extension), "csv", "tsv", "jsonl" or "parquet".
+    pub format: DataFormat,
+    /// Whether CSV/TSV files start with a header row; without one, columns are 0-based indices.
+    pub has_header: bool,
+    /// Column (or JSON field) holding the text.
+    pub text_column: String,
+    /// Column holding the second text of a pair; empty for single texts.
+    pub text_pair_column: String,
+    /// Column holding the label: a class id, a class name, or a number for regression.
+    pub label_column: String,
+    /// Class names in id order; empty to use integer labels as ids, or else the sorted names.
+    pub label_names: Vec<String>,
+    /// Skip rows with a missing column or a bad label (counted in one warning) instead of failing.
+    pub skip_bad_rows: bool,
+    /// Pad every batch to `model.max_seq_len` (run_glue.py's default) instead of to its longest example.
+    pub pad_to_max_length: bool,
+    /// Batch examples of similar length together (fewer pad tokens; order still seeded).
+    pub group_by_length: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            train_file: String::new(),
+            eval_file: String::new(),
+            eval_split: 0.0,
+            format: DataFormat::Auto,
+            has_header: true,
+            text_column: "sentence".into(),
+            text_pair_column: String::new(),
+            label_column: "label".into(),
+            label_names: Vec::new(),
+            skip_bad_rows: false,
+            pad_to_max_length: false,
+            group_by_length: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Directory for checkpoints, metrics, the plot and the final model.
+    pub output_dir: String,
+    /// Allow writing into an output directory that already holds checkpoints (they are removed).
+    pub overwrite_output_dir: bool,
+    /// Passes over the training data (ignored when `max_steps` > 0).
+    pub epochs: usize,
+    /// Total optimizer steps; 0 = derived from `epochs`.
+    pub max_steps: usize,
+    /// Examples per forward pass on each process.
+    pub batch_size: usize,
+    /// Forward/backward passes per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// AdamW decoupled weight decay (never on biases or LayerNorm weights).
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub adam_beta1: f64,
+    /// AdamW beta2.
+    pub adam_beta2: f64,
+    /// AdamW epsilon.
+    pub adam_epsilon: f64,
+    /// Clip gradients to this global L2 norm; 0 = no clipping.
+    pub max_grad_norm: f64,
+    /// Learning-rate schedule after warmup: "linear", "cosine" or "constant".
+    pub lr_scheduler: crate::optim::ScheduleKind,
+    /// Warmup steps (wins over `warmup_ratio` when > 0).
+    pub warmup_steps: usize,
+    /// Warmup as a fraction of the total steps.
+    pub warmup_ratio: f64,
+    /// Drop the last incomplete batch of each epoch.
+    pub drop_last: bool,
+    /// Log metrics every this many optimizer steps.
+    pub logging_steps: usize,
+    /// Save a checkpoint every this many optimizer steps; 0 = only at the end.
+    pub save_steps: usize,
+    /// Keep at most this many checkpoints (oldest removed first); 0 = keep all.
+    pub save_total_limit: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            output_dir: "runs/sprtrain".into(),
+            overwrite_output_dir: false,
+            epochs: 3,
+            max_steps: 0,
+            batch_size: 32,
+            gradient_accumulation_steps: 1,
+            learning_rate: 5e-5,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: 1.0,
+            lr_scheduler: crate::optim::ScheduleKind::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            drop_last: false,
+            logging_steps: 10,
+            save_steps: 500,
+            save_total_limit: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalStrategy {
+    No,
+    Steps,
+    Epoch,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalConfig {
+    /// When to evaluate during training: "no", "steps" (every `steps`) or "epoch"; the final
+    /// model is always evaluated when there is evaluation data.
+    pub strategy: EvalStrategy,
+    /// Evaluation interval in optimizer steps, for strategy "steps".
+    pub steps: usize,
+    /// Examples per evaluation forward pass.
+    pub batch_size: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            strategy: EvalStrategy::Epoch,
+            steps: 500,
+            batch_size: 64,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -176,6 +340,28 @@ impl Config {
                 "model.max_seq_len: {} is too short (at least 8 tokens)",
                 self.model.max_seq_len
             );
+        }
+        let t = &self.train;
+        if t.batch_size == 0 {
+            bail!("train.batch_size: must be at least 1");
+        }
+        if t.gradient_accumulation_steps == 0 {
+            bail!("train.gradient_accumulation_steps: must be at least 1");
+        }
+        if self.eval.batch_size == 0 {
+            bail!("eval.batch_size: must be at least 1");
+        }
+        if t.epochs == 0 && t.max_steps == 0 {
+            bail!("train.epochs: must be at least 1 when train.max_steps is 0");
+        }
+        if !(0.0..1.0).contains(&self.data.eval_split) {
+            bail!("data.eval_split: {} is not in [0, 1)", self.data.eval_split);
+        }
+        if !(0.0..=1.0).contains(&t.warmup_ratio) {
+            bail!("train.warmup_ratio: {} is not in [0, 1]", t.warmup_ratio);
+        }
+        if !(t.learning_rate > 0.0) {
+            bail!("train.learning_rate: must be positive");
         }
         if self.model.problem_type != "auto" {
             crate::models::ProblemType::parse(&self.model.problem_type)

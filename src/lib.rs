@@ -1,9 +1,16 @@
 //! sprtrain: data-parallel fine-tuning of Hugging Face encoder models on CPU clusters.
 //!
-//! Layout: `cli` (in main.rs) -> `config` -> {`models`, `data`, `predict`, `sysinfo`}.
+//! Layout: `cli` (in main.rs) -> `config` -> `train` (the loop) -> {`models`, `data`, `optim`,
+//! `checkpoint`, `metrics`, `report`}; `predict` and `sysinfo` serve the other commands.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod hub;
+pub mod metrics;
 pub mod models;
+pub mod optim;
 pub mod predict;
+pub mod report;
 pub mod sysinfo;
+pub mod train;

@@ -7,7 +7,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use sprtrain::config::{Config, TaskName};
-use sprtrain::models::{self, hub, Task};
+use sprtrain::hub;
+use sprtrain::models::{self, Task};
 use sprtrain::predict::{self, PredictArgs};
 use sprtrain::sysinfo;
 
@@ -15,11 +16,22 @@ use sprtrain::sysinfo;
 #[command(
     name = "sprtrain",
     version,
-    about = "Data-parallel fine-tuning of Hugging Face encoder models on CPU clusters"
+    about = "Data-parallel fine-tuning of Hugging Face encoder models on CPU clusters",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 struct Cli {
+    /// Train: the TOML config of the run (see configs/reference.toml).
+    #[arg(long, required = true)]
+    config: Option<PathBuf>,
+    /// Override a config value, e.g. --set train.learning_rate=3e-5 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Continue from `latest` (the newest checkpoint in train.output_dir) or a checkpoint directory.
+    #[arg(long, value_name = "latest|PATH")]
+    resume: Option<String>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -52,7 +64,12 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         TaskName::Mlm => Task::MaskedLm,
     };
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
-    let pretrained = models::from_pretrained(&dir, task, num_labels, config.runtime.seed as i64)?;
+    let pretrained = models::from_pretrained(
+        &dir,
+        task,
+        |c| num_labels.map_or(Ok(()), |n| c.set_num_labels(n)),
+        config.runtime.seed as i64,
+    )?;
     let class = pretrained.model.class_name();
     for line in pretrained.report.summary_lines(&class, &dir) {
         tracing::warn!("{line}");
@@ -87,8 +104,45 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
     Ok(())
 }
 
+fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {
+    let config = Config::load(path, overrides)?;
+    let summary = sprtrain::train::train(&config, resume)?;
+    let mut rows = vec![
+        (
+            "output".to_string(),
+            summary.output_dir.display().to_string(),
+        ),
+        ("steps".to_string(), summary.steps.to_string()),
+        ("epochs".to_string(), format!("{:.2}", summary.epochs_done)),
+        (
+            "train loss".to_string(),
+            format!("{:.4}", summary.train_loss),
+        ),
+        ("wall time".to_string(), format!("{:.1} s", summary.wall_s)),
+        (
+            "samples/s".to_string(),
+            format!("{:.1}", summary.samples_per_s),
+        ),
+    ];
+    rows.extend(
+        summary
+            .eval
+            .iter()
+            .map(|(k, v)| (k.clone(), format!("{v:.4}"))),
+    );
+    println!(
+        "training finished\n{}",
+        sprtrain::report::summary_table(&rows)
+    );
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
-    match cli.command {
+    let Some(command) = cli.command else {
+        let config = cli.config.context("--config is required")?;
+        return train(&config, &cli.overrides, cli.resume.as_deref());
+    };
+    match command {
         Command::Env => print!("{}", sysinfo::report()),
         Command::Predict(args) => {
             let n = predict::run(&args).context("predict")?;

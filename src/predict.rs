@@ -9,7 +9,8 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
 use crate::data::tokenizer::{collate, TextTokenizer, Truncation};
-use crate::models::{self, hub, ProblemType, Task};
+use crate::hub;
+use crate::models::{self, ProblemType, Task};
 
 /// Longest answer, in tokens, considered for a question (transformers' `max_answer_length`).
 const MAX_ANSWER_TOKENS: usize = 30;
@@ -201,7 +202,12 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
     };
     let examples = read_examples(&args.input, task)?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
-    let pretrained = models::from_pretrained(&dir, task, args.num_labels, args.seed)?;
+    let pretrained = models::from_pretrained(
+        &dir,
+        task,
+        |c| args.num_labels.map_or(Ok(()), |n| c.set_num_labels(n)),
+        args.seed,
+    )?;
     let model = &pretrained.model;
     for line in pretrained.report.summary_lines(&model.class_name(), &dir) {
         tracing::warn!("{line}");

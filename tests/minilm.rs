@@ -40,7 +40,7 @@ fn minilm_matches_transformers() {
         );
     }
 
-    let p = from_pretrained(&dir, Task::Base, None, 0).unwrap();
+    let p = from_pretrained(&dir, Task::Base, |_| Ok(()), 0).unwrap();
     assert!(
         p.report.newly_initialised.is_empty(),
         "{:?}",

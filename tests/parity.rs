@@ -26,7 +26,7 @@ fn check_case(name: &str) {
         _ => Task::SequenceClassification,
     };
     let r = reference(&dir.join("reference.safetensors"));
-    let p = from_pretrained(&dir, task, None, 0).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let p = from_pretrained(&dir, task, |_| Ok(()), 0).unwrap_or_else(|e| panic!("{name}: {e:#}"));
     assert!(
         p.report.newly_initialised.is_empty(),
         "{name}: new {:?}",
@@ -140,7 +140,7 @@ parity_tests! {
 fn task_checkpoint_loads_as_base_model_and_padding_is_inert() {
     let dir = fixtures().join("parity").join("roberta-seq-cls-single");
     let r = reference(&dir.join("reference.safetensors"));
-    let p = from_pretrained(&dir, Task::Base, None, 0).unwrap();
+    let p = from_pretrained(&dir, Task::Base, |_| Ok(()), 0).unwrap();
     assert_eq!(
         p.report.unused,
         [

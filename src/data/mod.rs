@@ -1,3 +1,5 @@
 //! Data: tokenization and batching. Knows nothing of models' internals or of MPI.
 
+pub mod batching;
+pub mod classification;
 pub mod tokenizer;

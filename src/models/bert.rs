@@ -8,7 +8,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, Arch, EncoderConfig};
 use super::layers::{
-    activate, additive_key_mask, dropout, multi_head_attention, Embedding, LayerNorm, Linear,
+    activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
 };
 use super::EncoderInputs;
 
@@ -179,7 +179,7 @@ impl BertEncoder {
     /// Returns the last hidden state, (B, T, C).
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> Tensor {
         let mut x = self.embeddings.forward(inputs, train);
-        let mask = additive_key_mask(&inputs.attention_mask, x.kind());
+        let mask = key_mask(&inputs.attention_mask);
         for layer in &self.layers {
             x = layer.forward(&x, &mask, train);
         }

@@ -6,7 +6,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, EncoderConfig};
 use super::layers::{
-    activate, additive_key_mask, dropout, multi_head_attention, Embedding, LayerNorm, Linear,
+    activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
 };
 use super::EncoderInputs;
 
@@ -162,7 +162,7 @@ impl DistilBertEncoder {
     /// Returns the last hidden state, (B, T, C). Token type ids are ignored, as in transformers.
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> Tensor {
         let mut x = self.embeddings.forward(&inputs.input_ids, train);
-        let mask = additive_key_mask(&inputs.attention_mask, x.kind());
+        let mask = key_mask(&inputs.attention_mask);
         for layer in &self.layers {
             x = layer.forward(&x, &mask, train);
         }

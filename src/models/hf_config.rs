@@ -161,13 +161,17 @@ impl EncoderConfig {
     }
 
     /// Sets `num_labels`, keeping names already known and naming new ones `LABEL_i`.
-    pub fn set_num_labels(&mut self, n: usize) {
+    pub fn set_num_labels(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            bail!("num_labels must be at least 1");
+        }
         self.id2label.retain(|id, _| *id < n);
         for id in 0..n {
             self.id2label
                 .entry(id)
                 .or_insert_with(|| format!("LABEL_{id}"));
         }
+        Ok(())
     }
 
     /// Reads and validates `config.json`.

@@ -1,10 +1,43 @@
 //! Building blocks shared by the encoder families. Parameter names are PyTorch's (`weight`,
 //! `bias`) so that a `VarStore` path spells the Hugging Face state-dict key.
 
+use std::cell::Cell;
+
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
 use super::hf_config::Activation;
+
+thread_local! {
+    /// The lower-precision compute dtype in force on this thread, like PyTorch's autocast
+    /// state: `None` runs everything in the parameters' dtype.
+    static AUTOCAST: Cell<Option<Kind>> = const { Cell::new(None) };
+}
+
+/// Restores the previous autocast state when dropped.
+#[must_use = "autocast lasts as long as the guard"]
+pub struct AutocastGuard(Option<Kind>);
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        AUTOCAST.with(|a| a.set(self.0));
+    }
+}
+
+/// Runs matrix products (linear layers, attention, the MLM decoder) in `kind` until the guard
+/// drops, as `torch.autocast(device_type="cpu", dtype=kind)` does; parameters, gradients,
+/// LayerNorm, the residual stream and losses stay fp32.
+pub fn autocast(kind: Option<Kind>) -> AutocastGuard {
+    AutocastGuard(AUTOCAST.with(|a| a.replace(kind)))
+}
+
+/// `x @ w.T + b`, in the autocast dtype when one is in force.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    match AUTOCAST.with(Cell::get) {
+        Some(k) => x.to_kind(k).linear(&w.to_kind(k), Some(&b.to_kind(k))),
+        None => x.linear(w, Some(b)),
+    }
+}
 
 /// `torch.nn.Linear`, initialised as transformers' `_init_weights` does (normal(0, range), zero bias).
 #[derive(Debug)]
@@ -28,7 +61,7 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, Some(&self.bias))
+        linear(x, &self.weight, &self.bias)
     }
 }
 
@@ -127,19 +160,12 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
     }
 }
 
-/// Key-padding mask for attention: (B, T) of 1/0 to (B, 1, 1, T) additive, 0 where a key is
-/// attended and the dtype's most negative value where it is padding — transformers' convention,
-/// so padded query rows still see the real keys and their outputs match transformers too.
-pub fn additive_key_mask(attention_mask: &Tensor, kind: Kind) -> Tensor {
+/// Key-padding mask for attention: (B, T) of 1/0 to (B, 1, 1, T) booleans, true where a key
+/// is attended. Padded query rows still see the real keys, so their outputs match
+/// transformers' too; a boolean mask suits every compute dtype.
+pub fn key_mask(attention_mask: &Tensor) -> Tensor {
     let (b, t) = attention_mask.size2().expect("attention mask is (B, T)");
-    let min = match kind {
-        Kind::BFloat16 => -3.3895313892515355e38,
-        Kind::Half => -65504.0,
-        Kind::Double => f64::MIN,
-        _ => f32::MIN as f64,
-    };
-    let blocked = attention_mask.eq(0).view([b, 1, 1, t]);
-    Tensor::zeros([b, 1, 1, t], (kind, attention_mask.device())).masked_fill(&blocked, min)
+    attention_mask.ne(0).view([b, 1, 1, t])
 }
 
 /// Multi-head scaled dot-product attention on already-projected q, k, v of shape (B, T, C).

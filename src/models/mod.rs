@@ -7,7 +7,6 @@
 pub mod bert;
 pub mod distilbert;
 pub mod hf_config;
-pub mod hub;
 pub mod layers;
 pub mod weights;
 
@@ -353,7 +352,7 @@ impl TaskModel {
                     .untied_decoder
                     .as_ref()
                     .unwrap_or_else(|| self.backbone.word_embeddings());
-                x.linear(decoder, Some(&m.bias)) // (B, T, V)
+                layers::linear(&x, decoder, &m.bias) // (B, T, V)
             }
         };
         ModelOutput { hidden, logits }
@@ -362,6 +361,11 @@ impl TaskModel {
     /// The loss transformers computes for this head and these labels (mean over the batch).
     pub fn loss(&self, out: &ModelOutput, labels: &Labels) -> Result<Tensor> {
         let problem = self.config.resolved_problem_type();
+        // Losses run in fp32 whatever the compute dtype, as under autocast.
+        let out = &ModelOutput {
+            hidden: out.hidden.shallow_clone(),
+            logits: out.logits.to_kind(tch::Kind::Float),
+        };
         Ok(match (self.task, labels) {
             (Task::SequenceClassification, Labels::Classes(y))
                 if problem == ProblemType::SingleLabel =>
@@ -435,30 +439,25 @@ pub struct Pretrained {
 }
 
 /// Builds `task`'s model from `dir` (config.json + safetensors), like transformers'
-/// `AutoModelFor*.from_pretrained`. `num_labels` overrides config.json's for a new head.
-/// New heads are initialised from `seed`.
+/// `AutoModelFor*.from_pretrained`. `adapt` may change the config first (labels of a new
+/// head, problem type). New heads are initialised from `seed`.
 pub fn from_pretrained(
     dir: &std::path::Path,
     task: Task,
-    num_labels: Option<usize>,
+    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
     use anyhow::Context;
-    let config_path = dir.join(hub::CONFIG_FILE);
+    let config_path = dir.join(crate::hub::CONFIG_FILE);
     if !config_path.is_file() {
         bail!(
             "no {} in model directory {}",
-            hub::CONFIG_FILE,
+            crate::hub::CONFIG_FILE,
             dir.display()
         );
     }
     let mut config = EncoderConfig::from_file(&config_path)?;
-    if let Some(n) = num_labels {
-        if n == 0 {
-            bail!("num_labels must be at least 1");
-        }
-        config.set_num_labels(n);
-    }
+    adapt(&mut config)?;
     let checkpoint = weights::read_checkpoint(dir)?;
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);

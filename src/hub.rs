@@ -1,5 +1,6 @@
-//! Finding a model's files: a local directory, or a Hugging Face Hub id resolved through hf-hub
-//! into the standard cache (`$HF_HOME/hub`, default `~/.cache/huggingface/hub`).
+//! Where files come from: a local path, or the Hugging Face Hub through hf-hub and the standard
+//! cache (`$HF_HOME/hub`, default `~/.cache/huggingface/hub`). Models are a local directory or a
+//! Hub id; data files are a local path or `hf://datasets/REPO[@REVISION]/PATH`.
 //!
 //! Offline (`HF_HUB_OFFLINE=1`) only the cache is read, as transformers does.
 
@@ -9,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
 
-use super::weights::{INDEX_FILE, SINGLE_FILE};
+use crate::models::weights::{INDEX_FILE, SINGLE_FILE};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -129,6 +130,38 @@ fn download(spec: &str, revision: &str, repo: Repo) -> Result<PathBuf> {
         }
     }
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
+}
+
+/// A data file: a local path, or `hf://datasets/OWNER/NAME[@REVISION]/PATH` fetched into (or,
+/// offline, read from) the HF cache.
+pub fn resolve_data_file(spec: &str) -> Result<PathBuf> {
+    let Some(rest) = spec.strip_prefix("hf://datasets/") else {
+        return Ok(PathBuf::from(spec));
+    };
+    let mut parts = rest.splitn(3, '/');
+    let (owner, name_rev, file) = match (parts.next(), parts.next(), parts.next()) {
+        (Some(o), Some(n), Some(f)) if !o.is_empty() && !n.is_empty() && !f.is_empty() => (o, n, f),
+        _ => bail!("{spec}: expected hf://datasets/OWNER/NAME[@REVISION]/PATH"),
+    };
+    let (name, revision) = name_rev.split_once('@').unwrap_or((name_rev, "main"));
+    let repo_id = format!("{owner}/{name}");
+    let repo = Repo::with_revision(repo_id.clone(), RepoType::Dataset, revision.to_string());
+    if hub_offline() {
+        let cache = Cache::from_env();
+        return cache.repo(repo).get(file).with_context(|| {
+            format!(
+                "{spec}: not in the Hugging Face cache at {} and HF_HUB_OFFLINE is set",
+                cache.path().display()
+            )
+        });
+    }
+    let api = ApiBuilder::from_env()
+        .with_progress(false)
+        .build()
+        .context("cannot set up the Hugging Face Hub client")?;
+    api.repo(repo).get(file).with_context(|| {
+        format!("cannot download {spec} from the Hugging Face Hub; offline, set HF_HUB_OFFLINE=1 to use the cache, or use a local file")
+    })
 }
 
 #[cfg(test)]

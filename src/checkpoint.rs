@@ -1,0 +1,247 @@
+//! Output directories in Hugging Face's layout.
+//!
+//! `checkpoint-STEP/` holds config.json + model.safetensors + tokenizer.json (loadable by
+//! transformers' `from_pretrained` as is), the optimizer moments (optimizer.safetensors), the
+//! trainer state (trainer_state.json: step, epoch, data position) and the resolved config
+//! (sprtrain.toml). A checkpoint is written under a temporary name and renamed into place, so
+//! a kill during a save never leaves one that looks complete, nor touches the previous one.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::models::{EncoderConfig, TaskModel};
+
+pub const TRAINER_STATE: &str = "trainer_state.json";
+pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
+pub const RESOLVED_CONFIG: &str = "sprtrain.toml";
+const PREFIX: &str = "checkpoint-";
+/// Tokenizer files copied into every saved model directory (tokenizer.json is required).
+const TOKENIZER_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Where training stands; enough, with the optimizer moments, to continue exactly.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub global_step: usize,
+    /// Epoch of the next step and the index of the next global batch within it.
+    pub epoch: usize,
+    pub batch_in_epoch: usize,
+    pub total_steps: usize,
+    /// AdamW's step counter (bias correction).
+    pub optimizer_step: i64,
+    /// Flat-buffer layout the moments were saved with: (name, numel) in order.
+    pub layout: Vec<(String, i64)>,
+    /// Metric history: one entry per logged or evaluated step.
+    pub log_history: Vec<serde_json::Value>,
+}
+
+/// Writes bytes to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.partial",
+        path.file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default()
+    ));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+}
+
+fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view([-1]))?;
+    Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+/// Serialises named fp32 tensors as safetensors with transformers' `format: pt` metadata.
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            Ok((
+                n.clone(),
+                t.size().iter().map(|&d| d as usize).collect(),
+                f32_bytes(t)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(n, shape, bytes)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    bytes,
+                )?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let metadata = Some(std::collections::HashMap::from([(
+        "format".to_string(),
+        "pt".to_string(),
+    )]));
+    Ok(safetensors::serialize(views, metadata)?)
+}
+
+/// config.json as transformers writes it for the trained model: the original keys, plus the
+/// architecture, labels and problem type.
+pub fn model_config_json(config: &EncoderConfig, class_name: &str) -> Result<String> {
+    let mut raw = config.raw.as_object().cloned().unwrap_or_default();
+    raw.insert("architectures".into(), serde_json::json!([class_name]));
+    let id2label: BTreeMap<String, String> = config
+        .id2label
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    let label2id: BTreeMap<String, usize> = config
+        .id2label
+        .iter()
+        .map(|(k, v)| (v.clone(), *k))
+        .collect();
+    raw.insert("id2label".into(), serde_json::to_value(id2label)?);
+    raw.insert("label2id".into(), serde_json::to_value(label2id)?);
+    raw.remove("num_labels");
+    if let Some(p) = config.problem_type {
+        raw.insert("problem_type".into(), p.as_hf_str().into());
+    }
+    Ok(serde_json::to_string_pretty(&serde_json::Value::Object(raw))? + "\n")
+}
+
+/// Everything a model directory holds, ready to write.
+pub struct ModelFiles<'a> {
+    pub model: &'a TaskModel,
+    pub vs: &'a tch::nn::VarStore,
+    pub tokenizer_json: &'a Path,
+    pub resolved_config: &'a str,
+}
+
+fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
+    let mut named: Vec<(String, Tensor)> = files.vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(&named)?)?;
+    write_atomic(
+        &dir.join("config.json"),
+        model_config_json(&files.model.config, &files.model.class_name())?.as_bytes(),
+    )?;
+    // tokenizer.json plus the side files AutoTokenizer reads, where the source model has them.
+    let source = files.tokenizer_json.parent().unwrap_or(Path::new("."));
+    for name in TOKENIZER_FILES {
+        let src = source.join(name);
+        if name == "tokenizer.json" || src.is_file() {
+            let bytes =
+                std::fs::read(&src).with_context(|| format!("cannot read {}", src.display()))?;
+            write_atomic(&dir.join(name), &bytes)?;
+        }
+    }
+    write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())
+}
+
+/// The final model at the root of the output directory (file by file, each atomic).
+pub fn save_final(output_dir: &Path, files: &ModelFiles) -> Result<()> {
+    write_model_files(output_dir, files)
+}
+
+/// Writes `checkpoint-STEP` atomically and removes the oldest beyond `keep` (0 keeps all).
+pub fn save_checkpoint(
+    output_dir: &Path,
+    files: &ModelFiles,
+    state: &TrainerState,
+    moments: &[(String, Tensor)],
+    keep: usize,
+) -> Result<PathBuf> {
+    let final_dir = output_dir.join(format!("{PREFIX}{}", state.global_step));
+    let tmp = output_dir.join(format!(".{PREFIX}{}.partial", state.global_step));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    write_model_files(&tmp, files)?;
+    write_atomic(&tmp.join(OPTIMIZER_STATE), &safetensors_bytes(moments)?)?;
+    write_atomic(
+        &tmp.join(TRAINER_STATE),
+        serde_json::to_string_pretty(state)?.as_bytes(),
+    )?;
+    if final_dir.exists() {
+        // Re-saving a step: swap the new directory in, then drop the old one.
+        let old = output_dir.join(format!(".{PREFIX}{}.old", state.global_step));
+        std::fs::rename(&final_dir, &old)
+            .with_context(|| format!("cannot move {}", final_dir.display()))?;
+        std::fs::rename(&tmp, &final_dir)
+            .with_context(|| format!("cannot move {}", tmp.display()))?;
+        std::fs::remove_dir_all(&old)
+            .with_context(|| format!("cannot remove {}", old.display()))?;
+    } else {
+        std::fs::rename(&tmp, &final_dir)
+            .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+    }
+    if keep > 0 {
+        let all = list_checkpoints(output_dir)?;
+        for (_, old) in all.iter().take(all.len().saturating_sub(keep)) {
+            std::fs::remove_dir_all(old)
+                .with_context(|| format!("cannot remove {}", old.display()))?;
+        }
+    }
+    Ok(final_dir)
+}
+
+/// Complete checkpoints in `output_dir`, oldest first.
+pub fn list_checkpoints(output_dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(output_dir) else {
+        return Ok(found);
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if let Some(step) = name
+            .strip_prefix(PREFIX)
+            .and_then(|s| s.parse::<usize>().ok())
+        {
+            if entry.path().join(TRAINER_STATE).is_file() {
+                found.push((step, entry.path()));
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// A checkpoint's trainer state and optimizer moments.
+pub fn load_training_state(dir: &Path) -> Result<(TrainerState, BTreeMap<String, Tensor>)> {
+    let path = dir.join(TRAINER_STATE);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("{} is not a checkpoint: no {TRAINER_STATE}", dir.display()))?;
+    let state: TrainerState =
+        serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))?;
+    let moments = crate::models::weights::read_safetensors(&dir.join(OPTIMIZER_STATE))?
+        .into_iter()
+        .collect();
+    Ok((state, moments))
+}
+
+/// Resolves `--resume latest|PATH` against the output directory.
+pub fn resume_dir(output_dir: &Path, spec: &str) -> Result<PathBuf> {
+    if spec == "latest" {
+        return match list_checkpoints(output_dir)?.pop() {
+            Some((_, dir)) => Ok(dir),
+            None => bail!("--resume latest: no checkpoint in {}", output_dir.display()),
+        };
+    }
+    let dir = PathBuf::from(spec);
+    if !dir.join(TRAINER_STATE).is_file() {
+        bail!("--resume {spec}: not a checkpoint directory (no {TRAINER_STATE})");
+    }
+    Ok(dir)
+}

@@ -1,0 +1,238 @@
+//! Tokenized examples and the batch plan.
+//!
+//! The sample order is a function of the seed and the epoch alone. An optimizer step consumes
+//! one *global batch* of `batch_size x accumulation x world` examples, cut into micro-batches of
+//! `batch_size`; micro-batch `m` of a step belongs to process `m / accumulation`. So N processes
+//! see exactly the global batches one process sees with N-fold accumulation.
+
+use anyhow::Result;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Kind, Tensor};
+
+use super::classification::Example;
+use super::tokenizer::TextTokenizer;
+use crate::models::EncoderInputs;
+
+/// One tokenized example.
+#[derive(Debug, Clone)]
+pub struct Feature {
+    pub input_ids: Vec<i64>,
+    pub type_ids: Vec<i64>,
+    pub label: f64,
+}
+
+/// Tokenizes all examples (in parallel, inside the tokenizers crate).
+pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature>> {
+    let texts: Vec<(String, Option<String>)> = examples
+        .iter()
+        .map(|e| (e.text.clone(), e.text_pair.clone()))
+        .collect();
+    let encodings = tok.encode_batch(&texts)?;
+    Ok(encodings
+        .iter()
+        .zip(examples)
+        .map(|(enc, ex)| Feature {
+            input_ids: enc.get_ids().iter().map(|&i| i as i64).collect(),
+            type_ids: enc.get_type_ids().iter().map(|&i| i as i64).collect(),
+            label: ex.label,
+        })
+        .collect())
+}
+
+/// A seeded stream for one purpose, so data order never depends on other random draws.
+fn rng(seed: u64, stream: u64) -> ChaCha8Rng {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    r.set_stream(stream);
+    r
+}
+
+/// Splits indices 0..n into (train, held-out) with `fraction` held out, seeded.
+pub fn holdout_split(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.shuffle(&mut rng(seed, 1));
+    let held = ((n as f64) * fraction).round() as usize;
+    let eval = idx[..held].to_vec();
+    let mut train = idx[held..].to_vec();
+    train.sort_unstable();
+    let mut eval = eval;
+    eval.sort_unstable();
+    (train, eval)
+}
+
+/// How examples become global batches.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchPlan {
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    pub world: usize,
+    pub seed: u64,
+    pub drop_last: bool,
+    pub group_by_length: bool,
+}
+
+impl BatchPlan {
+    /// Examples per optimizer step over all processes.
+    pub fn global_batch(&self) -> usize {
+        self.micro_batch * self.accumulation * self.world
+    }
+
+    pub fn steps_per_epoch(&self, n: usize) -> usize {
+        if self.drop_last {
+            n / self.global_batch()
+        } else {
+            n.div_ceil(self.global_batch())
+        }
+    }
+
+    /// The global batches of one epoch, as example indices.
+    pub fn epoch(&self, lengths: &[usize], epoch: usize) -> Vec<Vec<usize>> {
+        let g = self.global_batch();
+        let mut order: Vec<usize> = (0..lengths.len()).collect();
+        order.shuffle(&mut rng(self.seed, 1000 + epoch as u64));
+        if self.group_by_length {
+            // transformers' LengthGroupedSampler: sort megabatches of 50 batches by length,
+            // longest first, so pad tokens shrink while the order stays random between groups.
+            for mega in order.chunks_mut(50 * g) {
+                mega.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+            }
+        }
+        let mut batches: Vec<Vec<usize>> = order.chunks(g).map(<[usize]>::to_vec).collect();
+        if self.drop_last && batches.last().is_some_and(|b| b.len() < g) {
+            batches.pop();
+        }
+        batches
+    }
+
+    /// This process's micro-batches of a global batch.
+    pub fn micro_batches<'a>(&self, global: &'a [usize], rank: usize) -> Vec<&'a [usize]> {
+        global
+            .chunks(self.micro_batch)
+            .enumerate()
+            .filter(|(m, _)| m / self.accumulation == rank)
+            .map(|(_, c)| c)
+            .collect()
+    }
+}
+
+/// Pads a set of features to their longest (or to `pad_to`) and builds (B, T) tensors plus the
+/// (B) labels; returns the number of real tokens too.
+pub fn collate(
+    features: &[&Feature],
+    pad_id: i64,
+    pad_to: Option<usize>,
+) -> (EncoderInputs, Tensor, usize) {
+    let b = features.len();
+    let longest = features
+        .iter()
+        .map(|f| f.input_ids.len())
+        .max()
+        .unwrap_or(1);
+    let t = pad_to.unwrap_or(longest).max(longest);
+    let mut ids = vec![pad_id; b * t];
+    let mut mask = vec![0i64; b * t];
+    let mut types = vec![0i64; b * t];
+    let mut real = 0;
+    for (row, f) in features.iter().enumerate() {
+        let n = f.input_ids.len();
+        ids[row * t..row * t + n].copy_from_slice(&f.input_ids);
+        types[row * t..row * t + n].copy_from_slice(&f.type_ids);
+        mask[row * t..row * t + n].fill(1);
+        real += n;
+    }
+    let shape = [b as i64, t as i64];
+    let labels: Vec<f64> = features.iter().map(|f| f.label).collect();
+    (
+        EncoderInputs {
+            input_ids: Tensor::from_slice(&ids).view(shape),
+            attention_mask: Tensor::from_slice(&mask).view(shape),
+            token_type_ids: Some(Tensor::from_slice(&types).view(shape)),
+        },
+        Tensor::from_slice(&labels).to_kind(Kind::Float),
+        real,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(micro: usize, accum: usize, world: usize) -> BatchPlan {
+        BatchPlan {
+            micro_batch: micro,
+            accumulation: accum,
+            world,
+            seed: 7,
+            drop_last: false,
+            group_by_length: false,
+        }
+    }
+
+    #[test]
+    fn order_depends_on_seed_and_epoch_only() {
+        let lengths = vec![5; 103];
+        let a = plan(4, 1, 1).epoch(&lengths, 0);
+        assert_eq!(a, plan(4, 1, 1).epoch(&lengths, 0));
+        assert_ne!(a, plan(4, 1, 1).epoch(&lengths, 1));
+        let mut seen: Vec<usize> = a.concat();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..103).collect::<Vec<_>>(),
+            "every example once per epoch"
+        );
+    }
+
+    #[test]
+    fn world_size_does_not_change_the_global_batches() {
+        let lengths: Vec<usize> = (0..64).map(|i| 3 + i % 11).collect();
+        // 2 processes x accumulation 1 against 1 process x accumulation 2, micro-batch 4.
+        let two = plan(4, 1, 2);
+        let one = plan(4, 2, 1);
+        assert_eq!(two.epoch(&lengths, 3), one.epoch(&lengths, 3));
+        let global = &two.epoch(&lengths, 3)[0];
+        let mut both: Vec<&[usize]> = two.micro_batches(global, 0);
+        both.extend(two.micro_batches(global, 1));
+        assert_eq!(both, one.micro_batches(global, 0));
+    }
+
+    #[test]
+    fn length_grouping_cuts_padding() {
+        let lengths: Vec<usize> = (0..400).map(|i| 4 + (i * 37) % 120).collect();
+        let pad = |p: BatchPlan| -> usize {
+            p.epoch(&lengths, 0)
+                .iter()
+                .map(|b| {
+                    b.iter().map(|&i| lengths[i]).max().unwrap() * b.len()
+                        - b.iter().map(|&i| lengths[i]).sum::<usize>()
+                })
+                .sum()
+        };
+        let grouped = BatchPlan {
+            group_by_length: true,
+            ..plan(8, 1, 1)
+        };
+        assert!(
+            pad(grouped) * 4 < pad(plan(8, 1, 1)),
+            "grouped {} vs random {}",
+            pad(grouped),
+            pad(plan(8, 1, 1))
+        );
+    }
+
+    #[test]
+    fn drop_last_and_holdout() {
+        let p = BatchPlan {
+            drop_last: true,
+            ..plan(4, 1, 1)
+        };
+        assert_eq!(p.steps_per_epoch(10), 2);
+        assert!(p.epoch(&[1; 10], 0).iter().all(|b| b.len() == 4));
+        assert_eq!(plan(4, 1, 1).steps_per_epoch(10), 3);
+        let (train, eval) = holdout_split(100, 0.1, 3);
+        assert_eq!((train.len(), eval.len()), (90, 10));
+        assert!(eval.iter().all(|i| !train.contains(i)));
+        assert_eq!(holdout_split(100, 0.1, 3), (train, eval));
+    }
+}

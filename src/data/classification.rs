@@ -1,0 +1,351 @@
+//! Sequence-classification examples from local CSV, TSV, JSON Lines or Parquet files
+//! (Parquet is the format of Hub data sets). Columns are chosen by name, or by 0-based index
+//! in files without a header. Labels are ids, names (mapped to ids and saved as `id2label`),
+//! or floats for regression.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::config::{DataConfig, DataFormat};
+
+/// One example. `label` is a class id or a regression target.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub text: String,
+    pub text_pair: Option<String>,
+    pub label: f64,
+}
+
+/// How raw label strings become numbers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LabelKind {
+    /// Class names by id; strings are looked up, integers in range are ids.
+    Classes(Vec<String>),
+    /// Float targets.
+    Regression,
+}
+
+/// A raw row before labels are resolved: (text, text_pair, label string, where).
+type RawRow = (String, Option<String>, String, String);
+
+fn detect_format(path: &Path, format: DataFormat) -> Result<DataFormat> {
+    if format != DataFormat::Auto {
+        return Ok(format);
+    }
+    let name = path.to_string_lossy().to_ascii_lowercase();
+    Ok(if name.ends_with(".csv") {
+        DataFormat::Csv
+    } else if name.ends_with(".tsv") || name.ends_with(".txt") {
+        DataFormat::Tsv
+    } else if name.ends_with(".jsonl") || name.ends_with(".json") {
+        DataFormat::Jsonl
+    } else if name.ends_with(".parquet") {
+        DataFormat::Parquet
+    } else {
+        bail!(
+            "{}: cannot tell the format from the extension; set data.format",
+            path.display()
+        )
+    })
+}
+
+/// Finds a column by name in `header`, or parses it as an index when there is no header.
+fn column_index(header: Option<&[String]>, column: &str, path: &Path) -> Result<usize> {
+    match header {
+        Some(names) => names.iter().position(|n| n == column).with_context(|| {
+            format!(
+                "{}: no column {column:?} (columns: {})",
+                path.display(),
+                names.join(", ")
+            )
+        }),
+        None => column.parse().with_context(|| {
+            format!(
+                "{}: without a header, columns are 0-based indices; got {column:?}",
+                path.display()
+            )
+        }),
+    }
+}
+
+fn read_delimited(
+    path: &Path,
+    cfg: &DataConfig,
+    delimiter: u8,
+    bad: &mut BadRows,
+) -> Result<Vec<RawRow>> {
+    let mut reader = csv::ReaderBuilder::new()
+        .delimiter(delimiter)
+        .has_headers(cfg.has_header)
+        .flexible(true)
+        // TSV files of NLP data sets quote nothing: a quote is part of the text.
+        .quoting(delimiter != b'\t')
+        .from_path(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let header: Option<Vec<String>> = if cfg.has_header {
+        Some(
+            reader
+                .headers()
+                .with_context(|| format!("{}: cannot read the header", path.display()))?
+                .iter()
+                .map(|h| h.trim_start_matches('\u{feff}').trim().to_string())
+                .collect(),
+        )
+    } else {
+        None
+    };
+    let text = column_index(header.as_deref(), &cfg.text_column, path)?;
+    let pair = (!cfg.text_pair_column.is_empty())
+        .then(|| column_index(header.as_deref(), &cfg.text_pair_column, path))
+        .transpose()?;
+    let label = column_index(header.as_deref(), &cfg.label_column, path)?;
+    let mut rows = Vec::new();
+    for record in reader.records() {
+        let record = record.with_context(|| format!("{}: malformed row", path.display()))?;
+        let line = record.position().map(|p| p.line()).unwrap_or(0);
+        let at = format!("{}:{line}", path.display());
+        let get = |i: usize, what: &str| {
+            record
+                .get(i)
+                .map(|s| s.trim_end_matches('\r').to_string())
+                .ok_or_else(|| anyhow!("{at}: missing {what} column"))
+        };
+        let row = (|| -> Result<RawRow> {
+            let pair_text = pair.map(|i| get(i, "text pair")).transpose()?;
+            Ok((
+                get(text, "text")?,
+                pair_text,
+                get(label, "label")?,
+                at.clone(),
+            ))
+        })();
+        match row {
+            Ok(r) => rows.push(r),
+            Err(e) => bad.record(e)?,
+        }
+    }
+    Ok(rows)
+}
+
+fn json_string(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Null => None,
+        other => Some(other.to_string()),
+    }
+}
+
+fn read_jsonl(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = format!("{}:{}", path.display(), i + 1);
+        let row = (|| -> Result<RawRow> {
+            let v: serde_json::Value =
+                serde_json::from_str(line).with_context(|| format!("{at}: invalid JSON"))?;
+            let field = |key: &str| {
+                json_string(v.get(key)).ok_or_else(|| anyhow!("{at}: missing field {key:?}"))
+            };
+            let pair = (!cfg.text_pair_column.is_empty())
+                .then(|| field(&cfg.text_pair_column))
+                .transpose()?;
+            Ok((
+                field(&cfg.text_column)?,
+                pair,
+                field(&cfg.label_column)?,
+                at.clone(),
+            ))
+        })();
+        match row {
+            Ok(r) => rows.push(r),
+            Err(e) => bad.record(e)?,
+        }
+    }
+    Ok(rows)
+}
+
+fn read_parquet(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let reader = SerializedFileReader::new(file)
+        .with_context(|| format!("{} is not a valid Parquet file", path.display()))?;
+    let names: Vec<String> = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema()
+        .get_fields()
+        .iter()
+        .map(|f| f.name().to_string())
+        .collect();
+    let text = column_index(Some(&names), &cfg.text_column, path)?;
+    let pair = (!cfg.text_pair_column.is_empty())
+        .then(|| column_index(Some(&names), &cfg.text_pair_column, path))
+        .transpose()?;
+    let label = column_index(Some(&names), &cfg.label_column, path)?;
+    let as_string = |f: &Field| -> Option<String> {
+        match f {
+            Field::Str(s) => Some(s.clone()),
+            Field::Null => None,
+            other => Some(other.to_string()),
+        }
+    };
+    let mut rows = Vec::new();
+    let iter = reader
+        .get_row_iter(None)
+        .with_context(|| format!("{}: cannot read rows", path.display()))?;
+    for (i, row) in iter.enumerate() {
+        let at = format!("{} row {}", path.display(), i + 1);
+        let row = row.with_context(|| format!("{at}: cannot decode"))?;
+        let fields: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
+        let get = |idx: usize, what: &str| {
+            fields
+                .get(idx)
+                .and_then(|f| as_string(f))
+                .ok_or_else(|| anyhow!("{at}: missing {what}"))
+        };
+        let parsed = (|| -> Result<RawRow> {
+            let p = pair.map(|i| get(i, "text pair")).transpose()?;
+            Ok((get(text, "text")?, p, get(label, "label")?, at.clone()))
+        })();
+        match parsed {
+            Ok(r) => rows.push(r),
+            Err(e) => bad.record(e)?,
+        }
+    }
+    Ok(rows)
+}
+
+/// Bad rows are errors, or, with `skip_bad_rows`, counted and warned about once.
+struct BadRows {
+    skip: bool,
+    count: usize,
+    first: Option<String>,
+}
+
+impl BadRows {
+    fn record(&mut self, e: anyhow::Error) -> Result<()> {
+        if !self.skip {
+            return Err(e);
+        }
+        self.count += 1;
+        self.first.get_or_insert_with(|| format!("{e:#}"));
+        Ok(())
+    }
+}
+
+fn read_raw(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+    if !path.is_file() {
+        bail!("data file {} does not exist", path.display());
+    }
+    match detect_format(path, cfg.format)? {
+        DataFormat::Csv => read_delimited(path, cfg, b',', bad),
+        DataFormat::Tsv => read_delimited(path, cfg, b'\t', bad),
+        DataFormat::Jsonl => read_jsonl(path, cfg, bad),
+        DataFormat::Parquet => read_parquet(path, cfg, bad),
+        DataFormat::Auto => unreachable!("detect_format resolves auto"),
+    }
+}
+
+/// Decides the label set: given names, or integer ids, or the sorted distinct strings.
+pub fn infer_labels(cfg: &DataConfig, regression: bool, raw: &[&str]) -> LabelKind {
+    if regression {
+        return LabelKind::Regression;
+    }
+    if !cfg.label_names.is_empty() {
+        return LabelKind::Classes(cfg.label_names.clone());
+    }
+    let ints: Option<Vec<i64>> = raw.iter().map(|s| s.trim().parse::<i64>().ok()).collect();
+    match ints {
+        Some(ids) if ids.iter().all(|&i| i >= 0) => {
+            let n = ids.iter().max().map_or(0, |m| m + 1) as usize;
+            LabelKind::Classes((0..n).map(|i| i.to_string()).collect())
+        }
+        _ => {
+            let distinct: std::collections::BTreeSet<&str> = raw.iter().map(|s| s.trim()).collect();
+            LabelKind::Classes(distinct.into_iter().map(str::to_string).collect())
+        }
+    }
+}
+
+fn resolve_label(raw: &str, kind: &LabelKind, at: &str) -> Result<f64> {
+    let s = raw.trim();
+    match kind {
+        LabelKind::Regression => s
+            .parse::<f64>()
+            .with_context(|| format!("{at}: label {s:?} is not a number")),
+        LabelKind::Classes(names) => {
+            if let Some(id) = names.iter().position(|n| n == s) {
+                return Ok(id as f64);
+            }
+            match s.parse::<usize>() {
+                Ok(id) if id < names.len() => Ok(id as f64),
+                Ok(id) => bail!("{at}: label id {id} is out of range (0..{})", names.len()),
+                Err(_) => bail!("{at}: unknown label {s:?} (labels: {})", names.join(", ")),
+            }
+        }
+    }
+}
+
+/// Reads one file into examples. `kind` fixes the labels (from the training file); `None`
+/// infers them from this file.
+pub fn load_examples(
+    path: &Path,
+    cfg: &DataConfig,
+    regression: bool,
+    kind: Option<&LabelKind>,
+) -> Result<(Vec<Example>, LabelKind)> {
+    let mut bad = BadRows {
+        skip: cfg.skip_bad_rows,
+        count: 0,
+        first: None,
+    };
+    let raw = read_raw(path, cfg, &mut bad)?;
+    let kind = match kind {
+        Some(k) => k.clone(),
+        None => infer_labels(
+            cfg,
+            regression,
+            &raw.iter().map(|r| r.2.as_str()).collect::<Vec<_>>(),
+        ),
+    };
+    let mut examples = Vec::with_capacity(raw.len());
+    for (text, text_pair, label, at) in raw {
+        match resolve_label(&label, &kind, &at) {
+            Ok(label) => examples.push(Example {
+                text,
+                text_pair,
+                label,
+            }),
+            Err(e) => bad.record(e)?,
+        }
+    }
+    if bad.count > 0 {
+        tracing::warn!(
+            "{}: skipped {} bad rows (first: {})",
+            path.display(),
+            bad.count,
+            bad.first.unwrap_or_default()
+        );
+    }
+    if examples.is_empty() {
+        bail!("data file {} holds no examples", path.display());
+    }
+    Ok((examples, kind))
+}
+
+/// id2label for config.json from the label set.
+pub fn id2label(kind: &LabelKind) -> BTreeMap<usize, String> {
+    match kind {
+        LabelKind::Classes(names) => names.iter().cloned().enumerate().collect(),
+        LabelKind::Regression => BTreeMap::from([(0, "LABEL_0".to_string())]),
+    }
+}

@@ -1,0 +1,381 @@
+//! Optimization over one flat parameter buffer: AdamW as `torch.optim.AdamW`, the schedules of
+//! transformers' `get_scheduler`, and clipping by global norm.
+//!
+//! Every trainable parameter becomes a view into one contiguous fp32 buffer, gradients are
+//! gathered into a second one, and AdamW is a handful of vectorised ops over the whole model
+//! instead of several per tensor. The flat gradient is also what data parallelism reduces.
+//! Parameters that take weight decay come first, so decay is one op on a prefix.
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+use tch::{Kind, Tensor};
+
+/// One trainable parameter's place in the flat buffers.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    pub name: String,
+    pub offset: i64,
+    pub numel: i64,
+    pub shape: Vec<i64>,
+}
+
+/// The model's trainable parameters laid out in one buffer.
+pub struct FlatParams {
+    /// (N) fp32; every parameter's data is a view into it.
+    pub params: Tensor,
+    /// (N) fp32 gradients, filled by [`FlatParams::gather_grads`].
+    pub grads: Tensor,
+    /// The parameters, in buffer order.
+    pub vars: Vec<Tensor>,
+    pub slots: Vec<Slot>,
+    /// Parameters [0, decayed) take weight decay.
+    pub decayed: i64,
+}
+
+/// transformers' Trainer exempts biases and LayerNorm weights from weight decay.
+pub fn takes_weight_decay(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    !(name.ends_with(".bias") || lower.contains("layernorm") || lower.contains("layer_norm"))
+}
+
+impl FlatParams {
+    /// Moves the trainable variables into one buffer (decayed first, then by name).
+    pub fn new(vs: &tch::nn::VarStore) -> Self {
+        let mut named: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| {
+            (!takes_weight_decay(&a.0), &a.0).cmp(&(!takes_weight_decay(&b.0), &b.0))
+        });
+        let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
+        let params = Tensor::zeros([total], (Kind::Float, tch::Device::Cpu));
+        let mut slots = Vec::with_capacity(named.len());
+        let mut vars = Vec::with_capacity(named.len());
+        let (mut offset, mut decayed) = (0i64, 0i64);
+        for (name, mut var) in named {
+            let numel = var.numel() as i64;
+            let shape = var.size();
+            let mut view = params.narrow(0, offset, numel).view(shape.as_slice());
+            tch::no_grad(|| view.copy_(&var));
+            var.set_data(&view);
+            if takes_weight_decay(&name) {
+                decayed = offset + numel;
+            }
+            slots.push(Slot {
+                name,
+                offset,
+                numel,
+                shape,
+            });
+            vars.push(var);
+            offset += numel;
+        }
+        let grads = params.zeros_like();
+        FlatParams {
+            params,
+            grads,
+            vars,
+            slots,
+            decayed,
+        }
+    }
+
+    pub fn numel(&self) -> i64 {
+        self.params.numel() as i64
+    }
+
+    /// Copies each parameter's `.grad` into the flat gradient (zeros where there is none).
+    pub fn gather_grads(&self) {
+        tch::no_grad(|| {
+            for (var, slot) in self.vars.iter().zip(&self.slots) {
+                let mut dst = self.grads.narrow(0, slot.offset, slot.numel);
+                let g = var.grad();
+                if g.defined() {
+                    dst.copy_(&g.view([-1]));
+                } else {
+                    let _ = dst.zero_();
+                }
+            }
+        });
+    }
+
+    /// Clears the per-parameter gradients for the next accumulation window.
+    pub fn zero_grads(&mut self) {
+        for var in &mut self.vars {
+            var.zero_grad();
+        }
+    }
+
+    /// Scales the flat gradient so its L2 norm is at most `max_norm` (as
+    /// `torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> f64 {
+        let norm = self.grads.norm().double_value(&[]);
+        if max_norm > 0.0 {
+            let coef = max_norm / (norm + 1e-6);
+            if coef < 1.0 {
+                let mut grads = self.grads.shallow_clone();
+                tch::no_grad(|| {
+                    let _ = grads.f_mul_(&Tensor::from(coef as f32));
+                });
+            }
+        }
+        norm
+    }
+}
+
+/// AdamW hyperparameters; transformers' defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+/// `torch.optim.AdamW` (decoupled weight decay, bias-corrected moments) on flat buffers.
+pub struct AdamW {
+    pub config: AdamWConfig,
+    /// First and second moments, (N) fp32 each.
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    /// Optimizer steps taken.
+    pub step: i64,
+}
+
+impl AdamW {
+    pub fn new(config: AdamWConfig, flat: &FlatParams) -> Self {
+        AdamW {
+            config,
+            exp_avg: flat.params.zeros_like(),
+            exp_avg_sq: flat.params.zeros_like(),
+            step: 0,
+        }
+    }
+
+    /// One update of `flat.params` from `flat.grads` at learning rate `lr`: torch's
+    /// single-tensor AdamW per element, fused into one parallel pass over the flat buffers
+    /// (each of p, m, v, g read once, p, m, v written once; nothing allocated).
+    pub fn step(&mut self, flat: &FlatParams, lr: f64) {
+        let c = self.config;
+        self.step += 1;
+        let bias_correction1 = 1.0 - c.beta1.powi(self.step as i32);
+        let bias_correction2_sqrt = (1.0 - c.beta2.powi(self.step as i32)).sqrt();
+        let k = FusedAdamW {
+            decay: (1.0 - lr * c.weight_decay) as f32,
+            one_minus_beta1: (1.0 - c.beta1) as f32,
+            beta2: c.beta2 as f32,
+            one_minus_beta2: (1.0 - c.beta2) as f32,
+            step_size: (lr / bias_correction1) as f32,
+            bias_correction2_sqrt: bias_correction2_sqrt as f32,
+            eps: c.eps as f32,
+        };
+        let n = flat.numel() as usize;
+        let decayed = flat.decayed as usize;
+        // SAFETY: the four buffers are distinct, contiguous fp32 CPU tensors of n elements that
+        // this struct and `flat` own; no libtorch op runs on them during the update (the
+        // training thread is here), and the chunks handed to rayon are disjoint.
+        let (p, m, v, g) = unsafe {
+            (
+                f32_slice_mut(&flat.params, n),
+                f32_slice_mut(&self.exp_avg, n),
+                f32_slice_mut(&self.exp_avg_sq, n),
+                std::slice::from_raw_parts(flat.grads.data_ptr() as *const f32, n),
+            )
+        };
+        const CHUNK: usize = 1 << 16;
+        p.par_chunks_mut(CHUNK)
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(|(i, (((p, m), v), g))| {
+                let start = i * CHUNK;
+                // Elements before `decayed` take weight decay.
+                let split = decayed.saturating_sub(start).min(p.len());
+                k.apply(
+                    &mut p[..split],
+                    &mut m[..split],
+                    &mut v[..split],
+                    &g[..split],
+                    true,
+                );
+                k.apply(
+                    &mut p[split..],
+                    &mut m[split..],
+                    &mut v[split..],
+                    &g[split..],
+                    false,
+                );
+            });
+    }
+}
+
+/// # Safety
+/// `t` must be a contiguous fp32 CPU tensor of `n` elements not aliased during the borrow.
+unsafe fn f32_slice_mut<'a>(t: &Tensor, n: usize) -> &'a mut [f32] {
+    debug_assert!(t.kind() == Kind::Float && t.is_contiguous() && t.numel() == n);
+    std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n)
+}
+
+/// The scalars of one AdamW step, in f32 as torch's CPU kernels use them.
+#[derive(Clone, Copy)]
+struct FusedAdamW {
+    decay: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    step_size: f32,
+    bias_correction2_sqrt: f32,
+    eps: f32,
+}
+
+impl FusedAdamW {
+    #[inline]
+    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], decay: bool) {
+        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            if decay {
+                *p *= self.decay; // param.mul_(1 - lr * weight_decay)
+            }
+            *m += self.one_minus_beta1 * (g - *m); // exp_avg.lerp_(grad, 1 - beta1)
+            *v = *v * self.beta2 + self.one_minus_beta2 * (g * g); // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+            let denom = v.sqrt() / self.bias_correction2_sqrt + self.eps;
+            *p -= self.step_size * (*m / denom); // param.addcdiv_(exp_avg, denom, -step_size)
+        }
+    }
+}
+
+/// transformers' schedule names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    Linear,
+    Cosine,
+    Constant,
+}
+
+/// Learning rate as a function of the optimizer step, as transformers' `get_scheduler`
+/// (`get_linear_schedule_with_warmup`, `get_cosine_schedule_with_warmup` with half a cycle,
+/// `get_constant_schedule_with_warmup`). Step k (from 0) uses `lr(k)`.
+#[derive(Debug, Clone, Copy)]
+pub struct LrSchedule {
+    pub kind: ScheduleKind,
+    pub base_lr: f64,
+    pub warmup_steps: i64,
+    pub total_steps: i64,
+}
+
+impl LrSchedule {
+    pub fn new(
+        kind: ScheduleKind,
+        base_lr: f64,
+        warmup_steps: i64,
+        total_steps: i64,
+    ) -> Result<Self> {
+        if total_steps <= 0 {
+            bail!("the run has no optimizer steps");
+        }
+        Ok(LrSchedule {
+            kind,
+            base_lr,
+            warmup_steps,
+            total_steps,
+        })
+    }
+
+    /// transformers' `get_warmup_steps`: explicit steps win, else ceil(ratio * total).
+    pub fn warmup_from(steps: i64, ratio: f64, total_steps: i64) -> i64 {
+        if steps > 0 {
+            steps
+        } else {
+            (ratio * total_steps as f64).ceil() as i64
+        }
+    }
+
+    pub fn lr(&self, step: i64) -> f64 {
+        let (w, t) = (self.warmup_steps, self.total_steps);
+        if step < w {
+            return self.base_lr * step as f64 / w.max(1) as f64;
+        }
+        let factor = match self.kind {
+            ScheduleKind::Constant => 1.0,
+            ScheduleKind::Linear => ((t - step) as f64 / (t - w).max(1) as f64).max(0.0),
+            ScheduleKind::Cosine => {
+                let progress = (step - w) as f64 / (t - w).max(1) as f64;
+                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+            }
+        };
+        self.base_lr * factor
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_match_transformers() {
+        // Values of transformers' lambdas times base lr, warmup 2 of 10 steps.
+        let lin = LrSchedule::new(ScheduleKind::Linear, 1.0, 2, 10).unwrap();
+        let got: Vec<f64> = (0..11).map(|s| lin.lr(s)).collect();
+        let want = [
+            0.0, 0.5, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0,
+        ];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{got:?}");
+        }
+        let cos = LrSchedule::new(ScheduleKind::Cosine, 1.0, 2, 10).unwrap();
+        assert!((cos.lr(6) - 0.5).abs() < 1e-12);
+        assert!((cos.lr(10)).abs() < 1e-12);
+        let constant = LrSchedule::new(ScheduleKind::Constant, 2.0, 4, 10).unwrap();
+        assert_eq!((constant.lr(1), constant.lr(9)), (0.5, 2.0));
+        assert_eq!(LrSchedule::warmup_from(0, 0.06, 1000), 60);
+        assert_eq!(LrSchedule::warmup_from(0, 0.1, 15), 2);
+        assert_eq!(LrSchedule::warmup_from(7, 0.5, 100), 7);
+    }
+
+    #[test]
+    fn decay_excludes_biases_and_layer_norms() {
+        assert!(takes_weight_decay(
+            "bert.encoder.layer.0.attention.self.query.weight"
+        ));
+        assert!(!takes_weight_decay(
+            "bert.encoder.layer.0.attention.self.query.bias"
+        ));
+        assert!(!takes_weight_decay("bert.embeddings.LayerNorm.weight"));
+        assert!(!takes_weight_decay(
+            "distilbert.transformer.layer.0.sa_layer_norm.weight"
+        ));
+        assert!(!takes_weight_decay("roberta.lm_head.layer_norm.weight"));
+    }
+
+    #[test]
+    fn adamw_matches_the_closed_form_first_step() {
+        // First step: m = (1-b1) g, v = (1-b2) g^2, update = lr * g / (|g| + eps') per element.
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let w = (vs.root() / "w").var_copy("weight", &Tensor::from_slice(&[1.0f32, -2.0, 3.0]));
+        let flat = FlatParams::new(&vs);
+        let loss = (&flat.vars[0] * Tensor::from_slice(&[0.5f32, -1.0, 2.0])).sum(Kind::Float);
+        loss.backward();
+        flat.gather_grads();
+        let mut opt = AdamW::new(
+            AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+            &flat,
+        );
+        opt.step(&flat, 0.01);
+        let got = Vec::<f32>::try_from(&flat.params).unwrap();
+        // decay: p *= 1 - 0.001; then p -= 0.01 * sign(g) (eps negligible)
+        let want = [1.0 * 0.999 - 0.01, -2.0 * 0.999 + 0.01, 3.0 * 0.999 - 0.01];
+        for (g, w) in got.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{got:?}");
+        }
+        // The variable sees the update: it is a view of the flat buffer.
+        assert!((w.double_value(&[0]) - want[0]).abs() < 1e-6);
+    }
+}

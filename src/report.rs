@@ -1,0 +1,197 @@
+//! What a run shows and leaves behind: the JSON Lines metrics log, the progress bar (or log
+//! lines when stderr is not a terminal), the final summary table, and a PNG plot of the loss
+//! and evaluation metrics over steps.
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use plotters::prelude::*;
+use serde_json::Value;
+
+/// Appends one JSON object per line and flushes it, so a killed run keeps its history.
+pub struct MetricsLog {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl MetricsLog {
+    /// Opens the log; a resumed run appends, a new run starts it afresh.
+    pub fn open(path: &Path, append: bool) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .with_context(|| format!("cannot open metrics log {}", path.display()))?;
+        Ok(MetricsLog {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn write(&mut self, record: &Value) -> Result<()> {
+        writeln!(self.file, "{record}")
+            .with_context(|| format!("cannot write {}", self.path.display()))
+    }
+}
+
+/// A progress bar on a terminal; plain log lines otherwise.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+}
+
+impl Progress {
+    pub fn new(total: usize, done: usize) -> Self {
+        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+            let bar = ProgressBar::new(total as u64);
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} steps  eta {eta}  {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.set_position(done as u64);
+            bar
+        });
+        Progress { bar }
+    }
+
+    /// One optimizer step done.
+    pub fn step(&mut self, loss: f64, samples: usize) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            let per_s = samples as f64 * bar.per_sec();
+            bar.set_message(format!("loss {loss:.4}  {per_s:.1} samples/s"));
+        }
+    }
+
+    /// A logged record: above the bar, or as a log line.
+    pub fn log(&self, record: &Value) {
+        let line = summarize(record);
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => tracing::info!("{line}"),
+        }
+    }
+
+    pub fn note(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => tracing::info!("{text}"),
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `key value` pairs of a record, numbers rounded for reading.
+fn summarize(record: &Value) -> String {
+    let Some(obj) = record.as_object() else {
+        return record.to_string();
+    };
+    obj.iter()
+        .map(|(k, v)| match v.as_f64() {
+            Some(x) if k == "step" => format!("{k} {x}"),
+            Some(x) if k == "lr" => format!("{k} {x:.3e}"),
+            Some(x) => format!("{k} {x:.4}"),
+            None => format!("{k} {v}"),
+        })
+        .collect::<Vec<_>>()
+        .join("  ")
+}
+
+/// Two panels over steps: training loss, and every `eval_*` metric.
+pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
+    let series = |key: &str| -> Vec<(f64, f64)> {
+        history
+            .iter()
+            .filter_map(|r| Some((r.get("step")?.as_f64()?, r.get(key)?.as_f64()?)))
+            .collect()
+    };
+    let loss = series("loss");
+    let mut eval_keys: Vec<String> = history
+        .iter()
+        .filter_map(|r| r.as_object())
+        .flat_map(|o| {
+            o.keys()
+                .filter(|k| k.starts_with("eval_"))
+                .cloned()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    eval_keys.sort();
+    eval_keys.dedup();
+    let max_step = history
+        .iter()
+        .filter_map(|r| r.get("step")?.as_f64())
+        .fold(1.0, f64::max);
+
+    let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(500);
+    let draw = |area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+                title: &str,
+                lines: Vec<(String, Vec<(f64, f64)>)>|
+     -> Result<()> {
+        let ys: Vec<f64> = lines
+            .iter()
+            .flat_map(|(_, s)| s.iter().map(|p| p.1))
+            .collect();
+        let (lo, hi) = ys
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), &y| (a.min(y), b.max(y)));
+        let (lo, hi) = if ys.is_empty() {
+            (0.0, 1.0)
+        } else if hi > lo {
+            (lo, hi)
+        } else {
+            (lo - 0.5, hi + 0.5)
+        };
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 20))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(55)
+            .build_cartesian_2d(0.0..max_step, lo..hi)?;
+        chart.configure_mesh().x_desc("step").draw()?;
+        for (i, (name, points)) in lines.into_iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))?
+                .label(name)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+        Ok(())
+    };
+    draw(&left, "training loss", vec![("loss".to_string(), loss)])?;
+    draw(
+        &right,
+        "evaluation",
+        eval_keys.iter().map(|k| (k.clone(), series(k))).collect(),
+    )?;
+    root.present()
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// The end-of-run table.
+pub fn summary_table(rows: &[(String, String)]) -> String {
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut s = String::new();
+    for (k, v) in rows {
+        s.push_str(&format!("  {k:<width$}  {v}\n"));
+    }
+    s
+}

@@ -1,0 +1,478 @@
+//! Fine-tuning: `sprtrain --config X.toml`. The loop is [`train`], read top to bottom.
+//!
+//! Each optimizer step consumes one global batch (see `data::batching`): forward and backward
+//! on each micro-batch, gradients gathered into the flat buffer, clipped, one AdamW update.
+//! Dropout is reseeded from (seed, step, micro-batch) so a resumed run draws the same masks.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use tch::Kind;
+
+use crate::checkpoint::{self, ModelFiles, TrainerState};
+use crate::config::{Config, EvalStrategy, Precision, TaskName};
+use crate::data::batching::{self, BatchPlan, Feature};
+use crate::data::classification::{self, LabelKind};
+use crate::data::tokenizer::{TextTokenizer, Truncation};
+use crate::hub;
+use crate::metrics;
+use crate::models::{self, Labels, ProblemType, Task, TaskModel};
+use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule};
+use crate::report::{MetricsLog, Progress};
+use crate::sysinfo::CpuInfo;
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub output_dir: PathBuf,
+    pub steps: usize,
+    pub epochs_done: f64,
+    pub train_loss: f64,
+    pub wall_s: f64,
+    pub samples_per_s: f64,
+    pub eval: BTreeMap<String, f64>,
+}
+
+/// Seeds libtorch's generator for one micro-batch's dropout.
+fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
+    (seed
+        .wrapping_mul(1_000_003)
+        .wrapping_add(step as u64 * 4096 + micro as u64)
+        & 0x7fff_ffff_ffff_ffff) as i64
+}
+
+/// Evaluates on `features`: mean loss and the task's metrics, keys prefixed `eval_`.
+pub fn evaluate(
+    model: &TaskModel,
+    features: &[Feature],
+    batch_size: usize,
+    pad_id: i64,
+    pad_to: Option<usize>,
+) -> Result<BTreeMap<String, f64>> {
+    let regression = model.config.resolved_problem_type() == ProblemType::Regression;
+    let (mut loss_sum, mut preds, mut scores, mut gold) = (0.0, Vec::new(), Vec::new(), Vec::new());
+    for chunk in features.chunks(batch_size) {
+        let refs: Vec<&Feature> = chunk.iter().collect();
+        let (inputs, y, _) = batching::collate(&refs, pad_id, pad_to);
+        let out = tch::no_grad(|| model.forward(&inputs, false));
+        let labels = if regression {
+            Labels::Values(y.shallow_clone())
+        } else {
+            Labels::Classes(y.to_kind(Kind::Int64))
+        };
+        loss_sum += model.loss(&out, &labels)?.double_value(&[]) * chunk.len() as f64;
+        if regression {
+            scores.extend(
+                Vec::<f32>::try_from(out.logits.view([-1]))?
+                    .into_iter()
+                    .map(f64::from),
+            );
+        } else {
+            preds.extend(
+                Vec::<i64>::try_from(out.logits.argmax(-1, false))?
+                    .into_iter()
+                    .map(|p| p as usize),
+            );
+        }
+        gold.extend(chunk.iter().map(|f| f.label));
+    }
+    let mut m = if regression {
+        metrics::regression_report(&scores, &gold)
+    } else {
+        let gold: Vec<usize> = gold.iter().map(|&g| g as usize).collect();
+        metrics::classification_report(&preds, &gold, model.config.num_labels())
+    };
+    m.insert("loss".into(), loss_sum / features.len().max(1) as f64);
+    Ok(m.into_iter()
+        .map(|(k, v)| (format!("eval_{k}"), v))
+        .collect())
+}
+
+/// Refuses to overwrite earlier checkpoints unless asked to.
+fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
+    let existing = checkpoint::list_checkpoints(out)?;
+    if !existing.is_empty() && !resume {
+        if !overwrite {
+            bail!(
+                "output directory {} already holds checkpoints ({}); pass --resume latest to continue, or set train.overwrite_output_dir = true",
+                out.display(),
+                existing.iter().map(|(s, _)| format!("checkpoint-{s}")).collect::<Vec<_>>().join(", ")
+            );
+        }
+        for (_, dir) in existing {
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("cannot remove {}", dir.display()))?;
+        }
+    }
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("cannot create output directory {}", out.display()))
+}
+
+/// Runs the fine-tuning described by `config`; `resume` is `latest` or a checkpoint path.
+pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
+    let started = Instant::now();
+    let (tc, dc) = (&config.train, &config.data);
+    if config.model.task != TaskName::SeqCls {
+        bail!("model.task: training supports \"seq-cls\" so far (question answering comes with the SQuAD pipeline)");
+    }
+    let out = PathBuf::from(&tc.output_dir);
+    prepare_output_dir(&out, resume.is_some(), tc.overwrite_output_dir)?;
+    let resume_dir = resume
+        .map(|spec| checkpoint::resume_dir(&out, spec))
+        .transpose()?;
+
+    // Numerics and threads.
+    let precision = config.runtime.precision.resolve(&CpuInfo::detect());
+    // bf16 compute on fp32 master weights, for training and evaluation alike.
+    let _autocast =
+        models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
+    let threads = if config.runtime.threads > 0 {
+        config.runtime.threads
+    } else {
+        num_cpus::get_physical()
+    };
+    tch::set_num_threads(threads as i32);
+    tracing::info!("precision {precision:?}, {threads} threads");
+
+    // Data: labels come from the training file and fix the head's size.
+    let model_dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
+    if dc.train_file.is_empty() {
+        bail!("data.train_file: no training file given");
+    }
+    let regression = config.model.problem_type == "regression"
+        || (config.model.problem_type == "auto" && config.model.num_labels == 1);
+    if config.model.problem_type == ProblemType::MultiLabel.as_hf_str() {
+        bail!("model.problem_type: multi-label training data is not supported yet");
+    }
+    let train_file = hub::resolve_data_file(&dc.train_file)?;
+    let (mut train_examples, labels) =
+        classification::load_examples(&train_file, dc, regression, None)?;
+    let mut eval_examples = if !dc.eval_file.is_empty() {
+        let eval_file = hub::resolve_data_file(&dc.eval_file)?;
+        classification::load_examples(&eval_file, dc, regression, Some(&labels))?.0
+    } else if dc.eval_split > 0.0 {
+        let (keep, held) =
+            batching::holdout_split(train_examples.len(), dc.eval_split, config.runtime.seed);
+        let held: Vec<_> = held.iter().map(|&i| train_examples[i].clone()).collect();
+        train_examples = keep.iter().map(|&i| train_examples[i].clone()).collect();
+        held
+    } else {
+        Vec::new()
+    };
+    if let LabelKind::Classes(names) = &labels {
+        if config.model.num_labels > 0 && config.model.num_labels != names.len() {
+            bail!(
+                "model.num_labels is {} but the training data has {} labels ({})",
+                config.model.num_labels,
+                names.len(),
+                names.join(", ")
+            );
+        }
+    }
+
+    // Model: the pretrained one with a head for these labels, or the checkpoint to resume.
+    let source = resume_dir.as_deref().unwrap_or(&model_dir);
+    let id2label = classification::id2label(&labels);
+    let pretrained = models::from_pretrained(
+        source,
+        Task::SequenceClassification,
+        |c| {
+            c.id2label = id2label;
+            c.problem_type = Some(if regression {
+                ProblemType::Regression
+            } else {
+                ProblemType::SingleLabel
+            });
+            Ok(())
+        },
+        config.runtime.seed as i64,
+    )?;
+    let (vs, model) = (pretrained.vs, pretrained.model);
+    for line in pretrained.report.summary_lines(&model.class_name(), source) {
+        tracing::warn!("{line}");
+    }
+    let usable = crate::predict::usable_positions(&model.config);
+    if config.model.max_seq_len > usable {
+        bail!("model.max_seq_len {} exceeds the {usable} tokens the model's position embeddings allow", config.model.max_seq_len);
+    }
+
+    // Tokenize once, in parallel.
+    let tokenizer_json = source.join(hub::TOKENIZER_FILE);
+    let tok = TextTokenizer::from_file(
+        &tokenizer_json,
+        model.config.pad_token_id,
+        config.model.max_seq_len,
+        Truncation::LongestFirst,
+    )?;
+    let train_features = batching::tokenize(&tok, &train_examples)?;
+    let eval_features = batching::tokenize(&tok, &eval_examples)?;
+    eval_examples.clear();
+    let lengths: Vec<usize> = train_features.iter().map(|f| f.input_ids.len()).collect();
+    let pad_to = dc.pad_to_max_length.then_some(config.model.max_seq_len);
+    let pad_id = tok.pad_id();
+
+    // The plan: batches, steps, schedule.
+    let plan = BatchPlan {
+        micro_batch: tc.batch_size,
+        accumulation: tc.gradient_accumulation_steps,
+        world: 1,
+        seed: config.runtime.seed,
+        drop_last: tc.drop_last,
+        group_by_length: dc.group_by_length,
+    };
+    let steps_per_epoch = plan.steps_per_epoch(train_features.len());
+    if steps_per_epoch == 0 {
+        bail!(
+            "{} training examples make no full global batch of {} (train.drop_last is set)",
+            train_features.len(),
+            plan.global_batch()
+        );
+    }
+    let total_steps = if tc.max_steps > 0 {
+        tc.max_steps
+    } else {
+        tc.epochs * steps_per_epoch
+    };
+    let warmup =
+        LrSchedule::warmup_from(tc.warmup_steps as i64, tc.warmup_ratio, total_steps as i64);
+    let schedule = LrSchedule::new(
+        tc.lr_scheduler,
+        tc.learning_rate,
+        warmup,
+        total_steps as i64,
+    )?;
+
+    // Optimizer over the flat parameter buffer, restored when resuming.
+    let mut flat = FlatParams::new(&vs);
+    let adam = AdamWConfig {
+        beta1: tc.adam_beta1,
+        beta2: tc.adam_beta2,
+        eps: tc.adam_epsilon,
+        weight_decay: tc.weight_decay,
+    };
+    let mut opt = AdamW::new(adam, &flat);
+    let layout: Vec<(String, i64)> = flat
+        .slots
+        .iter()
+        .map(|s| (s.name.clone(), s.numel))
+        .collect();
+    let mut state = TrainerState {
+        global_step: 0,
+        epoch: 0,
+        batch_in_epoch: 0,
+        total_steps,
+        optimizer_step: 0,
+        layout: layout.clone(),
+        log_history: Vec::new(),
+    };
+    if let Some(dir) = &resume_dir {
+        let (saved, moments) = checkpoint::load_training_state(dir)?;
+        if saved.layout != layout {
+            bail!(
+                "{}: the checkpoint's parameters differ from this config's model",
+                dir.display()
+            );
+        }
+        for (name, mut dst) in [
+            ("exp_avg", opt.exp_avg.shallow_clone()),
+            ("exp_avg_sq", opt.exp_avg_sq.shallow_clone()),
+        ] {
+            let src = moments
+                .get(name)
+                .with_context(|| format!("{}: optimizer state lacks {name}", dir.display()))?;
+            tch::no_grad(|| dst.f_copy_(src)).with_context(|| {
+                format!(
+                    "{}: optimizer state {name} has the wrong size",
+                    dir.display()
+                )
+            })?;
+        }
+        opt.step = saved.optimizer_step;
+        if saved.total_steps != total_steps {
+            tracing::warn!(
+                "resuming with {total_steps} total steps; the checkpoint planned {}",
+                saved.total_steps
+            );
+        }
+        state = TrainerState {
+            total_steps,
+            ..saved
+        };
+        tracing::info!(
+            "resumed from {} at step {}",
+            dir.display(),
+            state.global_step
+        );
+    }
+    let resolved = config.to_toml()?;
+    let files = ModelFiles {
+        model: &model,
+        vs: &vs,
+        tokenizer_json: &tokenizer_json,
+        resolved_config: &resolved,
+    };
+    let mut log = MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some())?;
+    let mut progress = Progress::new(total_steps, state.global_step);
+    tracing::info!(
+        "{} examples ({} held for evaluation), {} steps of {} examples, {} parameters",
+        train_features.len(),
+        eval_features.len(),
+        total_steps,
+        plan.global_batch(),
+        flat.numel()
+    );
+
+    // The loop.
+    let (mut window_loss, mut window_steps, mut window_samples, mut window_tokens) =
+        (0.0, 0usize, 0usize, 0usize);
+    let (mut t_data, mut t_fwd, mut t_bwd, mut t_opt, mut window_start) =
+        (0.0, 0.0, 0.0, 0.0, Instant::now());
+    let (mut run_loss, mut run_steps, mut run_samples) = (0.0, 0usize, 0usize);
+    let mut final_eval = BTreeMap::new();
+    while state.global_step < total_steps {
+        let batches = plan.epoch(&lengths, state.epoch);
+        let mut epoch_done = false;
+        for (index, global) in batches.iter().enumerate().skip(state.batch_in_epoch) {
+            let micro = plan.micro_batches(global, 0);
+            let mut step_loss = 0.0;
+            for (m, indices) in micro.iter().enumerate() {
+                let t = Instant::now();
+                let refs: Vec<&Feature> = indices.iter().map(|&i| &train_features[i]).collect();
+                let (inputs, y, real_tokens) = batching::collate(&refs, pad_id, pad_to);
+                let labels = if regression {
+                    Labels::Values(y)
+                } else {
+                    Labels::Classes(y.to_kind(Kind::Int64))
+                };
+                t_data += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                tch::manual_seed(dropout_seed(config.runtime.seed, state.global_step, m));
+                let output = model.forward(&inputs, true);
+                let loss = model.loss(&output, &labels)? / micro.len() as f64;
+                t_fwd += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                loss.backward();
+                step_loss += loss.double_value(&[]);
+                t_bwd += t.elapsed().as_secs_f64();
+                window_tokens += real_tokens;
+            }
+            let t = Instant::now();
+            flat.gather_grads();
+            let grad_norm = flat.clip_grad_norm(tc.max_grad_norm);
+            let lr = schedule.lr(state.global_step as i64);
+            opt.step(&flat, lr);
+            flat.zero_grads();
+            t_opt += t.elapsed().as_secs_f64();
+            if !step_loss.is_finite() {
+                bail!("loss became {step_loss} at step {}", state.global_step + 1);
+            }
+
+            state.global_step += 1;
+            state.optimizer_step = opt.step;
+            state.batch_in_epoch = index + 1;
+            if state.batch_in_epoch == batches.len() {
+                state.epoch += 1;
+                state.batch_in_epoch = 0;
+                epoch_done = true;
+            }
+            let samples = global.len();
+            window_loss += step_loss;
+            window_steps += 1;
+            window_samples += samples;
+            run_loss += step_loss;
+            run_steps += 1;
+            run_samples += samples;
+            progress.step(step_loss, samples);
+            let epoch_f = state.epoch as f64 + state.batch_in_epoch as f64 / batches.len() as f64;
+            let last = state.global_step == total_steps;
+
+            if state.global_step % tc.logging_steps.max(1) == 0 || last {
+                let wall = window_start.elapsed().as_secs_f64();
+                let record = json!({
+                    "step": state.global_step, "epoch": epoch_f, "loss": window_loss / window_steps as f64, "lr": lr,
+                    "grad_norm": grad_norm, "samples_per_s": window_samples as f64 / wall, "tokens_per_s": window_tokens as f64 / wall,
+                    "time_data_s": t_data / window_steps as f64, "time_forward_s": t_fwd / window_steps as f64,
+                    "time_backward_s": t_bwd / window_steps as f64, "time_optimizer_s": t_opt / window_steps as f64,
+                });
+                log.write(&record)?;
+                progress.log(&record);
+                state.log_history.push(record);
+                (window_loss, window_steps, window_samples, window_tokens) = (0.0, 0, 0, 0);
+                (t_data, t_fwd, t_bwd, t_opt, window_start) = (0.0, 0.0, 0.0, 0.0, Instant::now());
+            }
+            let eval_now = match config.eval.strategy {
+                EvalStrategy::Steps => state.global_step % config.eval.steps.max(1) == 0,
+                EvalStrategy::Epoch => epoch_done,
+                EvalStrategy::No => false,
+            };
+            if !eval_features.is_empty() && (eval_now || last) {
+                let mut m = evaluate(
+                    &model,
+                    &eval_features,
+                    config.eval.batch_size,
+                    pad_id,
+                    pad_to,
+                )?;
+                let mut record = json!({"step": state.global_step, "epoch": epoch_f});
+                for (k, v) in &m {
+                    record[k] = json!(v);
+                }
+                log.write(&record)?;
+                progress.log(&record);
+                state.log_history.push(record);
+                if last {
+                    m.insert("epoch".into(), epoch_f);
+                    final_eval = m;
+                }
+            }
+            if (tc.save_steps > 0 && state.global_step % tc.save_steps == 0) || last {
+                let moments = [
+                    ("exp_avg".to_string(), opt.exp_avg.shallow_clone()),
+                    ("exp_avg_sq".to_string(), opt.exp_avg_sq.shallow_clone()),
+                ];
+                let dir = checkpoint::save_checkpoint(
+                    &out,
+                    &files,
+                    &state,
+                    &moments,
+                    tc.save_total_limit,
+                )?;
+                progress.note(&format!("saved {}", dir.display()));
+            }
+            if last || epoch_done {
+                break;
+            }
+        }
+        if !epoch_done && state.global_step < total_steps {
+            // Only reachable when resuming exactly at an epoch's end.
+            state.epoch += 1;
+            state.batch_in_epoch = 0;
+        }
+    }
+    progress.finish();
+
+    // The final model at the root, results and plot.
+    checkpoint::save_final(&out, &files)?;
+    if !final_eval.is_empty() {
+        checkpoint::write_atomic(
+            &out.join("eval_results.json"),
+            (serde_json::to_string_pretty(&final_eval)? + "\n").as_bytes(),
+        )?;
+    }
+    if let Err(e) = crate::report::plot(&out.join("training.png"), &state.log_history) {
+        tracing::warn!("no plot: {e:#}");
+    }
+    let wall_s = started.elapsed().as_secs_f64();
+    Ok(Summary {
+        output_dir: out,
+        steps: state.global_step,
+        epochs_done: state.epoch as f64 + state.batch_in_epoch as f64 / steps_per_epoch as f64,
+        train_loss: run_loss / run_steps.max(1) as f64,
+        wall_s,
+        samples_per_s: run_samples as f64 / wall_s,
+        eval: final_eval,
+    })
+}
