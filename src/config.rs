@@ -360,7 +360,7 @@ impl Config {
         if !(0.0..=1.0).contains(&t.warmup_ratio) {
             bail!("train.warmup_ratio: {} is not in [0, 1]", t.warmup_ratio);
         }
-        if !(t.learning_rate > 0.0) {
+        if t.learning_rate.is_nan() || t.learning_rate <= 0.0 {
             bail!("train.learning_rate: must be positive");
         }
         if self.model.problem_type != "auto" {
@@ -463,5 +463,20 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Every config shipped in configs/ parses and validates.
+    #[test]
+    fn shipped_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                Config::load(&path, &[]).unwrap_or_else(|e| panic!("{e:#}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 4, "found {n} configs");
     }
 }

@@ -161,6 +161,8 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
         chart.configure_mesh().x_desc("step").draw()?;
         for (i, (name, points)) in lines.into_iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
+            // Markers too: evaluations are often too few for a line to show.
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
             chart
                 .draw_series(LineSeries::new(points, color.stroke_width(2)))?
                 .label(name)
@@ -194,4 +196,34 @@ pub fn summary_table(rows: &[(String, String)]) -> String {
         s.push_str(&format!("  {k:<width$}  {v}\n"));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plot_writes_a_png_with_sparse_evaluations() {
+        let history: Vec<Value> = (1..=20)
+            .map(|s| serde_json::json!({"step": s * 10, "loss": 0.7 / (s as f64).sqrt()}))
+            .chain([
+                serde_json::json!({"step": 100, "eval_accuracy": 0.81, "eval_loss": 0.45}),
+                serde_json::json!({"step": 200, "eval_accuracy": 0.86, "eval_loss": 0.38}),
+            ])
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = std::env::var_os("SPRTRAIN_PLOT_OUT")
+            .map(std::path::PathBuf::from)
+            .unwrap_or(dir.path().join("t.png"));
+        plot(&path, &history).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        assert!(bytes.len() > 10_000, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn summary_lines_round_numbers() {
+        let line = summarize(&serde_json::json!({"step": 5, "lr": 0.00005, "loss": 0.123456}));
+        assert_eq!(line, "loss 0.1235  lr 5.000e-5  step 5");
+    }
 }

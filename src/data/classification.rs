@@ -263,17 +263,23 @@ pub fn infer_labels(cfg: &DataConfig, regression: bool, raw: &[&str]) -> LabelKi
     if !cfg.label_names.is_empty() {
         return LabelKind::Classes(cfg.label_names.clone());
     }
-    let ints: Option<Vec<i64>> = raw.iter().map(|s| s.trim().parse::<i64>().ok()).collect();
-    match ints {
-        Some(ids) if ids.iter().all(|&i| i >= 0) => {
-            let n = ids.iter().max().map_or(0, |m| m + 1) as usize;
-            LabelKind::Classes((0..n).map(|i| i.to_string()).collect())
-        }
-        _ => {
-            let distinct: std::collections::BTreeSet<&str> = raw.iter().map(|s| s.trim()).collect();
-            LabelKind::Classes(distinct.into_iter().map(str::to_string).collect())
-        }
+    // Any integer label makes all labels ids (anything else is then a bad row); only files
+    // with no integer label at all use names.
+    let ids: Vec<i64> = raw
+        .iter()
+        .filter_map(|s| s.trim().parse::<i64>().ok())
+        .collect();
+    if !ids.is_empty() {
+        let n = ids
+            .iter()
+            .copied()
+            .filter(|&i| i >= 0)
+            .max()
+            .map_or(0, |m| m + 1) as usize;
+        return LabelKind::Classes((0..n).map(|i| i.to_string()).collect());
     }
+    let distinct: std::collections::BTreeSet<&str> = raw.iter().map(|s| s.trim()).collect();
+    LabelKind::Classes(distinct.into_iter().map(str::to_string).collect())
 }
 
 fn resolve_label(raw: &str, kind: &LabelKind, at: &str) -> Result<f64> {
@@ -347,5 +353,130 @@ pub fn id2label(kind: &LabelKind) -> BTreeMap<usize, String> {
     match kind {
         LabelKind::Classes(names) => names.iter().cloned().enumerate().collect(),
         LabelKind::Regression => BTreeMap::from([(0, "LABEL_0".to_string())]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(f: impl FnOnce(&mut DataConfig)) -> DataConfig {
+        let mut c = DataConfig::default();
+        f(&mut c);
+        c
+    }
+
+    fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn csv_with_quotes_and_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(
+            dir.path(),
+            "d.csv",
+            "text,label\n\"good, really\",pos\nbad,neg\n\"so \"\"so\"\"\",pos\n",
+        );
+        let (ex, kind) =
+            load_examples(&p, &cfg(|c| c.text_column = "text".into()), false, None).unwrap();
+        assert_eq!(kind, LabelKind::Classes(vec!["neg".into(), "pos".into()]));
+        assert_eq!(
+            ex[0],
+            Example {
+                text: "good, really".into(),
+                text_pair: None,
+                label: 1.0
+            }
+        );
+        assert_eq!(ex[2].text, "so \"so\"");
+        assert_eq!(
+            id2label(&kind),
+            BTreeMap::from([(0, "neg".to_string()), (1, "pos".to_string())])
+        );
+    }
+
+    #[test]
+    fn tsv_keeps_quotes_and_headerless_columns_are_indices() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(
+            dir.path(),
+            "d.tsv",
+            "7\t''Conan'' rules\t1\r\n8\tdull\t0\r\n",
+        );
+        let c = cfg(|c| {
+            c.has_header = false;
+            c.text_column = "1".into();
+            c.label_column = "2".into();
+        });
+        let (ex, _) = load_examples(&p, &c, false, None).unwrap();
+        assert_eq!(ex[0].text, "''Conan'' rules");
+        assert_eq!((ex[0].label, ex[1].label), (1.0, 0.0));
+        let err = load_examples(&p, &cfg(|c| c.has_header = false), false, None).unwrap_err();
+        assert!(format!("{err:#}").contains("0-based indices"), "{err:#}");
+    }
+
+    #[test]
+    fn jsonl_pairs_and_regression() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(dir.path(), "d.jsonl", "{\"a\": \"x\", \"b\": \"y\", \"score\": 4.5}\n\n{\"a\": \"z\", \"b\": \"w\", \"score\": 0}\n");
+        let c = cfg(|c| {
+            c.text_column = "a".into();
+            c.text_pair_column = "b".into();
+            c.label_column = "score".into();
+        });
+        let (ex, kind) = load_examples(&p, &c, true, None).unwrap();
+        assert_eq!(kind, LabelKind::Regression);
+        assert_eq!(
+            ex[0],
+            Example {
+                text: "x".into(),
+                text_pair: Some("y".into()),
+                label: 4.5
+            }
+        );
+        assert_eq!(ex[1].label, 0.0);
+    }
+
+    #[test]
+    fn hub_style_parquet() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data/pairs.parquet");
+        let c = cfg(|c| {
+            c.text_column = "sentence1".into();
+            c.text_pair_column = "sentence2".into();
+            c.label_names = vec!["not_equivalent".into(), "equivalent".into()];
+        });
+        let (ex, _) = load_examples(&p, &c, false, None).unwrap();
+        assert_eq!(ex.len(), 5);
+        assert_eq!(ex[3].text, "Amrozi accused his brother.");
+        assert_eq!(
+            ex[3].text_pair.as_deref(),
+            Some("Referring to him, Amrozi accused his brother.")
+        );
+        assert_eq!(
+            ex.iter().map(|e| e.label).collect::<Vec<_>>(),
+            [0.0, 1.0, 0.0, 1.0, 0.0]
+        );
+        let err =
+            load_examples(&p, &cfg(|c| c.text_column = "text".into()), false, None).unwrap_err();
+        assert!(
+            format!("{err:#}")
+                .contains("no column \"text\" (columns: sentence1, sentence2, label, idx)"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn eval_labels_follow_the_training_labels() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(dir.path(), "e.tsv", "sentence\tlabel\nok\t2\n");
+        let kind = LabelKind::Classes(vec!["0".into(), "1".into()]);
+        let err = load_examples(&p, &DataConfig::default(), false, Some(&kind)).unwrap_err();
+        assert!(
+            format!("{err:#}").contains(":2: label id 2 is out of range (0..2)"),
+            "{err:#}"
+        );
     }
 }

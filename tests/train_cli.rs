@@ -1,0 +1,361 @@
+//! `sprtrain --config` end to end on a tiny model: exact resume, checkpoints transformers
+//! loads, and bad input refused with one clear line.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{fixtures, sprtrain};
+use serde_json::Value;
+
+/// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
+fn tiny_model() -> PathBuf {
+    fixtures().join("parity").join("bert-seq-cls-single")
+}
+
+/// 40 labelled sentences from the tiny tokenizer's vocabulary: label = length class.
+fn write_data(dir: &Path) -> PathBuf {
+    let words = [
+        "the", "movie", "was", "a", "delight", "dull", "film", "paris", "city", "rained", "day",
+        "story",
+    ];
+    let mut text = String::from("sentence\tlabel\n");
+    for i in 0..40usize {
+        let n = 2 + (i * 7) % 9;
+        let sentence: Vec<&str> = (0..n)
+            .map(|j| words[(i * 5 + j * 3) % words.len()])
+            .collect();
+        text.push_str(&format!("{}\t{}\n", sentence.join(" "), n % 3));
+    }
+    let path = dir.join("train.tsv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn write_config(dir: &Path, data: &Path, out: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n\n[data]\ntrain_file = \"{}\"\neval_split = 0.2\n\n\
+         [train]\noutput_dir = \"{}\"\nmax_steps = 8\nbatch_size = 4\ngradient_accumulation_steps = 2\n\
+         learning_rate = 1e-3\nweight_decay = 0.01\nwarmup_steps = 2\nlogging_steps = 1\nsave_steps = 4\n\n\
+         [eval]\nstrategy = \"steps\"\nsteps = 4\n\n[runtime]\nprecision = \"fp32\"\nthreads = 1\nseed = 11\n{extra}",
+        tiny_model().display(),
+        data.display(),
+        out.display()
+    );
+    let path = dir.join(format!(
+        "run-{}.toml",
+        out.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn run(args: &[&str]) -> std::process::Output {
+    sprtrain().args(args).output().unwrap()
+}
+
+fn ok(out: std::process::Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "sprtrain failed:\n{stderr}");
+    stderr
+}
+
+fn train_losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r.get("loss").is_some())
+        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<(String, Vec<f32>)> =
+        sprtrain::models::weights::read_safetensors(&dir.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, Vec::<f32>::try_from(t.view([-1])).unwrap()))
+            .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// 4 steps + resume + 4 steps equals 8 uninterrupted steps, bitwise: same batches in the same
+/// order, same dropout masks, same optimizer state.
+#[test]
+fn resume_continues_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let full = tmp.path().join("full");
+    let config = write_config(tmp.path(), &data, &full, "");
+    ok(run(&["--config", config.to_str().unwrap()]));
+    assert!(full.join("checkpoint-4").is_dir() && full.join("checkpoint-8").is_dir());
+
+    // A second run that only ever had checkpoint-4, as if killed after it.
+    let part = tmp.path().join("part");
+    std::fs::create_dir(&part).unwrap();
+    let src = full.join("checkpoint-4");
+    let dst = part.join("checkpoint-4");
+    std::fs::create_dir(&dst).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    let config_b = write_config(tmp.path(), &data, &part, "");
+    let stderr = ok(run(&[
+        "--config",
+        config_b.to_str().unwrap(),
+        "--resume",
+        "latest",
+    ]));
+    assert!(
+        stderr.contains("resumed from") && stderr.contains("at step 4"),
+        "{stderr}"
+    );
+
+    let (a, b) = (train_losses(&full), train_losses(&part));
+    assert_eq!(a.len(), 8);
+    assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), [5, 6, 7, 8]);
+    for (step, loss) in &b {
+        let want = a[*step as usize - 1].1;
+        assert_eq!(
+            *loss, want,
+            "step {step}: resumed loss {loss} vs uninterrupted {want}"
+        );
+    }
+    assert_eq!(weights(&full), weights(&part), "final weights differ");
+    assert_eq!(weights(&full.join("checkpoint-8")), weights(&full));
+    // The losses moved: the check is not comparing constants.
+    assert!(a.iter().any(|x| (x.1 - a[0].1).abs() > 1e-3), "{a:?}");
+}
+
+/// A checkpoint loads in transformers 5.23.0 with no missing or unexpected keys and gives the
+/// same logits (within 1e-5) as sprtrain on the same token ids.
+#[test]
+fn checkpoint_loads_in_transformers() {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".venv-ref")
+        .join("bin")
+        .join("python");
+    if !python.is_file() {
+        eprintln!("skipped: no reference venv (run scripts/setup.sh --reference)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let out = tmp.path().join("out");
+    let config = write_config(tmp.path(), &data, &out, "");
+    ok(run(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--set",
+        "train.max_steps=4",
+    ]));
+    let ckpt = out.join("checkpoint-4");
+
+    // Token ids through sprtrain's own tokenizer, logits through sprtrain.
+    let tok = sprtrain::data::tokenizer::TextTokenizer::from_file(
+        &ckpt.join("tokenizer.json"),
+        0,
+        32,
+        sprtrain::data::tokenizer::Truncation::LongestFirst,
+    )
+    .unwrap();
+    let texts: Vec<(String, Option<String>)> = [
+        "the movie was a delight",
+        "dull film",
+        "paris city day story the",
+    ]
+    .iter()
+    .map(|t| (t.to_string(), None))
+    .collect();
+    let inputs = sprtrain::data::tokenizer::collate(&tok.encode_batch(&texts).unwrap(), 0).unwrap();
+    let p = sprtrain::models::from_pretrained(
+        &ckpt,
+        sprtrain::models::Task::SequenceClassification,
+        |_| Ok(()),
+        0,
+    )
+    .unwrap();
+    assert!(p.report.newly_initialised.is_empty() && p.report.unused.is_empty());
+    let ours = tch::no_grad(|| p.model.forward(&inputs, false).logits);
+    let as_lists = |t: &tch::Tensor| -> Vec<Vec<i64>> { Vec::<Vec<i64>>::try_from(t).unwrap() };
+    let ids = serde_json::json!({
+        "input_ids": as_lists(&inputs.input_ids),
+        "attention_mask": as_lists(&inputs.attention_mask),
+        "token_type_ids": as_lists(inputs.token_type_ids.as_ref().unwrap()),
+    });
+    let ids_path = tmp.path().join("ids.json");
+    std::fs::write(&ids_path, ids.to_string()).unwrap();
+
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join("check_transformers_load.py");
+    let res = std::process::Command::new(&python)
+        .arg(script)
+        .arg(&ckpt)
+        .arg(&ids_path)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let report: Value = serde_json::from_slice(&res.stdout).unwrap();
+    assert_eq!(report["missing_keys"], serde_json::json!([]), "{report}");
+    assert_eq!(report["unexpected_keys"], serde_json::json!([]), "{report}");
+    assert_eq!(report["mismatched_keys"], serde_json::json!([]), "{report}");
+    assert_eq!(
+        report["id2label"],
+        serde_json::json!({"0": "0", "1": "1", "2": "2"})
+    );
+    let theirs: Vec<Vec<f32>> = serde_json::from_value(report["logits"].clone()).unwrap();
+    let ours: Vec<Vec<f32>> = Vec::<Vec<f32>>::try_from(&ours).unwrap();
+    let d = ours
+        .iter()
+        .flatten()
+        .zip(theirs.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("sprtrain checkpoint in transformers: max abs logit diff {d:e}");
+    assert!(d <= 1e-5, "logits differ by {d}");
+}
+
+/// One stderr line, exit 1, naming what is wrong.
+fn fails(args: &[&str]) -> String {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or("").to_string();
+    assert!(last.starts_with("sprtrain: error: "), "{stderr}");
+    eprintln!("{last}");
+    last
+}
+
+#[test]
+fn bad_training_input_is_refused_clearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = write_data(tmp.path());
+    let out = tmp.path().join("out");
+    let cfg = |data: &Path, extra: &str| write_config(tmp.path(), data, &out, extra);
+    let bad_file = |name: &str, text: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+
+    let missing_col = bad_file("missing.tsv", "sentence\tlabel\nthe movie\t1\ndull film\n");
+    let e = fails(&["--config", cfg(&missing_col, "").to_str().unwrap()]);
+    assert!(
+        e.contains(&format!(
+            "{}:3: missing label column",
+            missing_col.display()
+        )),
+        "{e}"
+    );
+
+    let bad_number = bad_file(
+        "reg.tsv",
+        "sentence\tlabel\nthe movie\t0.5\ndull film\tabc\n",
+    );
+    let e = fails(&[
+        "--config",
+        cfg(&bad_number, "").to_str().unwrap(),
+        "--set",
+        "model.problem_type=regression",
+    ]);
+    assert!(e.contains(":3: label \"abc\" is not a number"), "{e}");
+
+    let unknown = bad_file(
+        "names.tsv",
+        "sentence\tlabel\nthe movie\tpos\ndull film\tneutral\n",
+    );
+    let e = fails(&[
+        "--config",
+        cfg(&unknown, "").to_str().unwrap(),
+        "--set",
+        "data.label_names=[\"neg\", \"pos\"]",
+    ]);
+    assert!(
+        e.contains(":3: unknown label \"neutral\" (labels: neg, pos)"),
+        "{e}"
+    );
+
+    let empty = bad_file("empty.tsv", "sentence\tlabel\n");
+    let e = fails(&["--config", cfg(&empty, "").to_str().unwrap()]);
+    assert!(
+        e.contains(&format!("data file {} holds no examples", empty.display())),
+        "{e}"
+    );
+
+    let e = fails(&[
+        "--config",
+        cfg(&good, "").to_str().unwrap(),
+        "--set",
+        "model.max_seq_len=100",
+    ]);
+    assert!(
+        e.contains("model.max_seq_len 100 exceeds the 64 tokens"),
+        "{e}"
+    );
+    let e = fails(&[
+        "--config",
+        cfg(&good, "").to_str().unwrap(),
+        "--set",
+        "train.batch_size=0",
+    ]);
+    assert!(e.contains("train.batch_size: must be at least 1"), "{e}");
+    let e = fails(&[
+        "--config",
+        cfg(&tmp.path().join("nope.tsv"), "").to_str().unwrap(),
+    ]);
+    assert!(e.contains("nope.tsv does not exist"), "{e}");
+
+    // skip_bad_rows: a warning with the count, and training goes on.
+    let mixed = bad_file(
+        "mixed.tsv",
+        &(std::fs::read_to_string(&good).unwrap() + "broken row\nalso broken\tzzz\n"),
+    );
+    let stderr = ok(run(&[
+        "--config",
+        cfg(&mixed, "").to_str().unwrap(),
+        "--set",
+        "data.skip_bad_rows=true",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.save_steps=0",
+    ]));
+    assert!(stderr.contains("skipped 2 bad rows"), "{stderr}");
+
+    // An output directory with checkpoints is not overwritten without --resume or overwrite.
+    let before = std::fs::read(out.join("checkpoint-1").join("model.safetensors")).unwrap();
+    let e = fails(&["--config", cfg(&good, "").to_str().unwrap()]);
+    assert!(
+        e.contains("already holds checkpoints (checkpoint-1)") && e.contains("--resume latest"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("checkpoint-1").join("model.safetensors")).unwrap(),
+        before
+    );
+}
+
+/// Leftovers of a killed save are never taken for checkpoints.
+#[test]
+fn partial_checkpoints_are_ignored() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join(".checkpoint-9.partial")).unwrap();
+    std::fs::create_dir_all(tmp.path().join("checkpoint-7")).unwrap(); // no trainer_state.json
+    std::fs::create_dir_all(tmp.path().join("checkpoint-3")).unwrap();
+    std::fs::write(
+        tmp.path().join("checkpoint-3").join("trainer_state.json"),
+        "{}",
+    )
+    .unwrap();
+    let found = sprtrain::checkpoint::list_checkpoints(tmp.path()).unwrap();
+    assert_eq!(found.iter().map(|f| f.0).collect::<Vec<_>>(), [3]);
+}
