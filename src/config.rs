@@ -23,6 +23,40 @@ pub struct Config {
     pub eval: EvalConfig,
     /// Numerics and threads.
     pub runtime: RuntimeConfig,
+    /// Data parallelism over MPI.
+    pub dist: DistConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    Fp32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DistConfig {
+    /// Gradient bucket size in MB: gradients are summed across processes a bucket at a time,
+    /// last layers first.
+    pub bucket_mb: f64,
+    /// Gradient reduction on the wire: "fp32", or "bf16" (half the traffic, summed in fp32).
+    pub reduce_dtype: ReduceDtype,
+    /// A collective that takes longer than this many seconds stops the whole job with an error.
+    pub collective_timeout_s: f64,
+    /// Pin each process's compute threads to its own physical cores.
+    pub pin_threads: bool,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig {
+            bucket_mb: 25.0,
+            reduce_dtype: ReduceDtype::Fp32,
+            collective_timeout_s: 300.0,
+            pin_threads: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -231,7 +265,8 @@ pub struct RuntimeConfig {
     /// "fp32", "bf16" (bf16 compute, fp32 master weights) or "auto" (bf16 only where the CPU
     /// has AMX-BF16 or AVX512-BF16).
     pub precision: Precision,
-    /// libtorch intra-op threads; 0 = the physical cores available to this process.
+    /// libtorch intra-op threads per process; 0 = this node's physical cores divided among its
+    /// processes (OMP_NUM_THREADS, when set, also decides).
     pub threads: usize,
     /// Seed for head initialisation, dropout and data order.
     pub seed: u64,
@@ -348,6 +383,9 @@ impl Config {
         if t.gradient_accumulation_steps == 0 {
             bail!("train.gradient_accumulation_steps: must be at least 1");
         }
+        if self.dist.bucket_mb.is_nan() || self.dist.bucket_mb <= 0.0 {
+            bail!("dist.bucket_mb: must be positive");
+        }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size: must be at least 1");
         }
@@ -368,6 +406,18 @@ impl Config {
                 .context("model.problem_type")?;
         }
         Ok(())
+    }
+
+    /// Every field as a `section.key = value` line, for comparing configs between processes.
+    pub fn dotted_lines(&self) -> Result<Vec<String>> {
+        let value = toml::Value::try_from(self).context("cannot serialise config")?;
+        let mut lines = Vec::new();
+        for (section, fields) in value.as_table().into_iter().flatten() {
+            for (key, v) in fields.as_table().into_iter().flatten() {
+                lines.push(format!("{section}.{key} = {v}"));
+            }
+        }
+        Ok(lines)
     }
 
     /// The resolved config as TOML, as saved beside checkpoints.

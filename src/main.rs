@@ -107,6 +107,9 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
 fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {
     let config = Config::load(path, overrides)?;
     let summary = sprtrain::train::train(&config, resume)?;
+    if !summary.root {
+        return Ok(());
+    }
     let mut rows = vec![
         (
             "output".to_string(),
@@ -181,7 +184,7 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sprtrain: error: {e:#}");
+            sprtrain::dist::eprint_line(&format!("sprtrain: error: {e:#}"));
             ExitCode::FAILURE
         }
     }

@@ -2,9 +2,10 @@
 //! transformers' `get_scheduler`, and clipping by global norm.
 //!
 //! Every trainable parameter becomes a view into one contiguous fp32 buffer, gradients are
-//! gathered into a second one, and AdamW is a handful of vectorised ops over the whole model
-//! instead of several per tensor. The flat gradient is also what data parallelism reduces.
-//! Parameters that take weight decay come first, so decay is one op on a prefix.
+//! gathered into a second one, and AdamW is one fused pass over the whole model instead of
+//! several ops per tensor. Parameters are laid out in the order backward produces their
+//! gradients (heads, last layer ... first layer, embeddings), so the flat gradient cuts into
+//! buckets that data parallelism can reduce as soon as they are ready.
 
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -28,8 +29,9 @@ pub struct FlatParams {
     /// The parameters, in buffer order.
     pub vars: Vec<Tensor>,
     pub slots: Vec<Slot>,
-    /// Parameters [0, decayed) take weight decay.
-    pub decayed: i64,
+    /// (start, len, takes weight decay) pieces of at most 64K elements covering the buffer:
+    /// the unit of the fused optimizer's parallel pass.
+    chunks: Vec<(usize, usize, bool)>,
 }
 
 /// transformers' Trainer exempts biases and LayerNorm weights from weight decay.
@@ -39,29 +41,33 @@ pub fn takes_weight_decay(name: &str) -> bool {
 }
 
 impl FlatParams {
-    /// Moves the trainable variables into one buffer (decayed first, then by name).
-    pub fn new(vs: &tch::nn::VarStore) -> Self {
+    /// Moves the trainable variables into one buffer, ordered by `stage` (the backward order:
+    /// lower stages get their gradients first), then by name.
+    pub fn new(vs: &tch::nn::VarStore, stage: impl Fn(&str) -> usize) -> Self {
         let mut named: Vec<(String, Tensor)> = vs
             .variables()
             .into_iter()
             .filter(|(_, t)| t.requires_grad())
             .collect();
-        named.sort_by(|a, b| {
-            (!takes_weight_decay(&a.0), &a.0).cmp(&(!takes_weight_decay(&b.0), &b.0))
-        });
+        named.sort_by(|a, b| (stage(&a.0), &a.0).cmp(&(stage(&b.0), &b.0)));
         let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
         let params = Tensor::zeros([total], (Kind::Float, tch::Device::Cpu));
         let mut slots = Vec::with_capacity(named.len());
         let mut vars = Vec::with_capacity(named.len());
-        let (mut offset, mut decayed) = (0i64, 0i64);
+        let mut chunks = Vec::new();
+        let mut offset = 0i64;
         for (name, mut var) in named {
             let numel = var.numel() as i64;
             let shape = var.size();
             let mut view = params.narrow(0, offset, numel).view(shape.as_slice());
             tch::no_grad(|| view.copy_(&var));
             var.set_data(&view);
-            if takes_weight_decay(&name) {
-                decayed = offset + numel;
+            let decay = takes_weight_decay(&name);
+            let mut start = offset as usize;
+            while start < (offset + numel) as usize {
+                let len = ((offset + numel) as usize - start).min(1 << 16);
+                chunks.push((start, len, decay));
+                start += len;
             }
             slots.push(Slot {
                 name,
@@ -78,7 +84,58 @@ impl FlatParams {
             grads,
             vars,
             slots,
-            decayed,
+            chunks,
+        }
+    }
+
+    /// Cuts the buffer into buckets of about `bytes` (never splitting a parameter), in
+    /// buffer order, i.e. the order backward fills them.
+    pub fn buckets(&self, bytes: usize) -> Vec<std::ops::Range<usize>> {
+        let cap = (bytes / 4).max(1);
+        let mut out = Vec::new();
+        let mut start = 0usize;
+        for slot in &self.slots {
+            let end = (slot.offset + slot.numel) as usize;
+            if end - start >= cap {
+                out.push(start..end);
+                start = end;
+            }
+        }
+        if start < self.numel() as usize {
+            out.push(start..self.numel() as usize);
+        }
+        out
+    }
+
+    /// Copies all parameters out (for a broadcast).
+    pub fn read_params(&self, into: &mut Vec<f32>) {
+        into.clear();
+        into.extend(Vec::<f32>::try_from(&self.params).unwrap_or_default());
+    }
+
+    /// Overwrites all parameters (after a broadcast).
+    pub fn write_params(&self, values: &[f32]) {
+        let mut p = self.params.shallow_clone();
+        tch::no_grad(|| p.copy_(&Tensor::from_slice(values)));
+    }
+
+    /// Copies `range` of the flat gradient out (into a reused buffer).
+    pub fn read_grads(&self, range: std::ops::Range<usize>, into: &mut Vec<f32>) {
+        // SAFETY: `grads` is a contiguous fp32 CPU tensor of numel() elements we own, and no
+        // libtorch op writes it while the training thread is here.
+        let all = unsafe {
+            std::slice::from_raw_parts(self.grads.data_ptr() as *const f32, self.numel() as usize)
+        };
+        into.clear();
+        into.extend_from_slice(&all[range]);
+    }
+
+    /// Writes `values * scale` into `range` of the flat gradient.
+    pub fn write_grads(&self, start: usize, values: &[f32], scale: f32) {
+        // SAFETY: as in `read_grads`; the range lies inside the buffer.
+        let all = unsafe { f32_slice_mut(&self.grads, self.numel() as usize) };
+        for (dst, &v) in all[start..start + values.len()].iter_mut().zip(values) {
+            *dst = v * scale;
         }
     }
 
@@ -172,43 +229,29 @@ impl AdamW {
             eps: c.eps as f32,
         };
         let n = flat.numel() as usize;
-        let decayed = flat.decayed as usize;
         // SAFETY: the four buffers are distinct, contiguous fp32 CPU tensors of n elements that
         // this struct and `flat` own; no libtorch op runs on them during the update (the
         // training thread is here), and the chunks handed to rayon are disjoint.
-        let (p, m, v, g) = unsafe {
-            (
-                f32_slice_mut(&flat.params, n),
-                f32_slice_mut(&self.exp_avg, n),
-                f32_slice_mut(&self.exp_avg_sq, n),
-                std::slice::from_raw_parts(flat.grads.data_ptr() as *const f32, n),
-            )
+        let base = unsafe {
+            [
+                f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
+                f32_slice_mut(&self.exp_avg, n).as_mut_ptr() as usize,
+                f32_slice_mut(&self.exp_avg_sq, n).as_mut_ptr() as usize,
+                flat.grads.data_ptr() as usize,
+            ]
         };
-        const CHUNK: usize = 1 << 16;
-        p.par_chunks_mut(CHUNK)
-            .zip(m.par_chunks_mut(CHUNK))
-            .zip(v.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(|(i, (((p, m), v), g))| {
-                let start = i * CHUNK;
-                // Elements before `decayed` take weight decay.
-                let split = decayed.saturating_sub(start).min(p.len());
-                k.apply(
-                    &mut p[..split],
-                    &mut m[..split],
-                    &mut v[..split],
-                    &g[..split],
-                    true,
-                );
-                k.apply(
-                    &mut p[split..],
-                    &mut m[split..],
-                    &mut v[split..],
-                    &g[split..],
-                    false,
-                );
-            });
+        flat.chunks.par_iter().for_each(|&(start, len, decay)| {
+            // SAFETY: see above; [start, start + len) is this chunk's alone.
+            let (p, m, v, g) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut((base[0] as *mut f32).add(start), len),
+                    std::slice::from_raw_parts_mut((base[1] as *mut f32).add(start), len),
+                    std::slice::from_raw_parts_mut((base[2] as *mut f32).add(start), len),
+                    std::slice::from_raw_parts((base[3] as *const f32).add(start), len),
+                )
+            };
+            k.apply(p, m, v, g, decay);
+        });
     }
 }
 
@@ -336,6 +379,21 @@ mod tests {
     }
 
     #[test]
+    fn buckets_follow_backward_order_without_splitting_parameters() {
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let root = vs.root();
+        for (i, n) in [(0, 300), (1, 200), (2, 500), (3, 100)] {
+            let _ = (&root / format!("p{i}")).zeros("weight", &[n]);
+        }
+        // Stage = reverse index: p3 fills first.
+        let flat = FlatParams::new(&vs, |name| 3 - name[1..2].parse::<usize>().unwrap());
+        let order: Vec<&str> = flat.slots.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(order, ["p3.weight", "p2.weight", "p1.weight", "p0.weight"]);
+        assert_eq!(flat.buckets(2400), vec![0..600, 600..1100]);
+        assert_eq!(flat.buckets(4 * 1_000_000), vec![0..1100]);
+    }
+
+    #[test]
     fn decay_excludes_biases_and_layer_norms() {
         assert!(takes_weight_decay(
             "bert.encoder.layer.0.attention.self.query.weight"
@@ -355,7 +413,7 @@ mod tests {
         // First step: m = (1-b1) g, v = (1-b2) g^2, update = lr * g / (|g| + eps') per element.
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         let w = (vs.root() / "w").var_copy("weight", &Tensor::from_slice(&[1.0f32, -2.0, 3.0]));
-        let flat = FlatParams::new(&vs);
+        let flat = FlatParams::new(&vs, |_| 0);
         let loss = (&flat.vars[0] * Tensor::from_slice(&[0.5f32, -1.0, 2.0])).sum(Kind::Float);
         loss.backward();
         flat.gather_grads();

@@ -41,11 +41,14 @@ impl MetricsLog {
 /// A progress bar on a terminal; plain log lines otherwise.
 pub struct Progress {
     bar: Option<ProgressBar>,
+    shown: bool,
 }
 
 impl Progress {
-    pub fn new(total: usize, done: usize) -> Self {
-        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+    /// `shown` is false on ranks other than 0: they show nothing.
+    pub fn new(total: usize, done: usize, shown: bool) -> Self {
+        let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let bar = (shown && terminal).then(|| {
             let bar = ProgressBar::new(total as u64);
             bar.set_style(
                 ProgressStyle::with_template("{bar:30} {pos}/{len} steps  eta {eta}  {msg}")
@@ -54,7 +57,7 @@ impl Progress {
             bar.set_position(done as u64);
             bar
         });
-        Progress { bar }
+        Progress { bar, shown }
     }
 
     /// One optimizer step done.
@@ -68,6 +71,9 @@ impl Progress {
 
     /// A logged record: above the bar, or as a log line.
     pub fn log(&self, record: &Value) {
+        if !self.shown {
+            return;
+        }
         let line = summarize(record);
         match &self.bar {
             Some(bar) => bar.println(line),
@@ -76,6 +82,9 @@ impl Progress {
     }
 
     pub fn note(&self, text: &str) {
+        if !self.shown {
+            return;
+        }
         match &self.bar {
             Some(bar) => bar.println(text),
             None => tracing::info!("{text}"),

@@ -139,3 +139,114 @@ mod tests {
         assert!(cpu.avx2 && !cpu.avx512f && !cpu.has_bf16_units());
     }
 }
+
+/// Where this process's compute threads run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadPlacement {
+    /// libtorch intra-op threads.
+    pub count: usize,
+    /// Logical CPUs (one per physical core) this process is pinned to; empty when not pinned.
+    pub cores: Vec<usize>,
+}
+
+impl ThreadPlacement {
+    pub fn describe(&self, topo: &crate::dist::Topology) -> String {
+        let cores = if self.cores.is_empty() {
+            "not pinned".to_string()
+        } else {
+            format!("cores {:?}", self.cores)
+        };
+        format!(
+            "rank {}/{} on {} (local {}/{}): {}, {} threads",
+            topo.rank, topo.world, topo.host, topo.local_rank, topo.local_size, cores, self.count
+        )
+    }
+}
+
+/// One logical CPU per physical core among those this process may run on, in order.
+pub fn physical_cores() -> Vec<usize> {
+    let allowed = allowed_cpus();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for cpu in allowed {
+        let topo = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+        let read = |f: &str| {
+            std::fs::read_to_string(format!("{topo}/{f}"))
+                .ok()
+                .map(|s| s.trim().to_string())
+        };
+        let key = (
+            read("physical_package_id").unwrap_or_default(),
+            read("core_id").unwrap_or_else(|| cpu.to_string()),
+        );
+        if seen.insert(key) {
+            out.push(cpu);
+        }
+    }
+    out
+}
+
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: sched_getaffinity fills the zeroed set we own.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+            return (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect();
+        }
+    }
+    (0..num_cpus::get()).collect()
+}
+
+/// Splits this node's physical cores among its processes and, when pinning, binds this
+/// thread (and so every thread it starts later, libtorch's pool included) to its share.
+/// Threads: `configured` when > 0, else OMP_NUM_THREADS, else the share's cores, less one for
+/// the communication thread when the share has cores to spare and there are several processes.
+pub fn place_threads(
+    topo: &crate::dist::Topology,
+    configured: usize,
+    pin: bool,
+) -> anyhow::Result<ThreadPlacement> {
+    let cores = physical_cores();
+    let per_rank = (cores.len() / topo.local_size.max(1)).max(1);
+    let share: Vec<usize> = if cores.len() >= topo.local_size {
+        cores[topo.local_rank * per_rank..(topo.local_rank + 1) * per_rank].to_vec()
+    } else {
+        vec![cores[topo.local_rank % cores.len().max(1)]]
+    };
+    let from_env = std::env::var("OMP_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0);
+    let count = if configured > 0 {
+        configured
+    } else if let Some(n) = from_env {
+        n
+    } else if topo.world > 1 && share.len() > 2 {
+        share.len() - 1
+    } else {
+        share.len()
+    };
+    let pinned = pin && topo.world > 1;
+    if pinned {
+        // SAFETY: a zeroed cpu_set_t filled with valid CPU indices, applied to this thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in &share {
+                libc::CPU_SET(c, &mut set);
+            }
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                anyhow::bail!(
+                    "rank {}: cannot pin to cores {share:?}: {}",
+                    topo.rank,
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+    Ok(ThreadPlacement {
+        count,
+        cores: if pinned { share } else { Vec::new() },
+    })
+}

@@ -1,8 +1,11 @@
 //! Fine-tuning: `sprtrain --config X.toml`. The loop is [`train`], read top to bottom.
 //!
-//! Each optimizer step consumes one global batch (see `data::batching`): forward and backward
-//! on each micro-batch, gradients gathered into the flat buffer, clipped, one AdamW update.
-//! Dropout is reseeded from (seed, step, micro-batch) so a resumed run draws the same masks.
+//! Each optimizer step consumes one global batch (see `data::batching`): each process runs
+//! forward and backward on its micro-batches, gradients are gathered into the flat buffer and
+//! summed across processes bucket by bucket, then clipped and applied by AdamW — identically on
+//! every process. Dropout is reseeded from (seed, step, micro-batch) so a resumed run, or a run
+//! on another number of processes, draws the same masks. Rank 0 alone writes files and the
+//! progress bar; an error on any rank stops them all.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,10 +16,11 @@ use serde_json::json;
 use tch::Kind;
 
 use crate::checkpoint::{self, ModelFiles, TrainerState};
-use crate::config::{Config, EvalStrategy, Precision, TaskName};
+use crate::config::{Config, EvalStrategy, Precision, ReduceDtype, TaskName};
 use crate::data::batching::{self, BatchPlan, Feature};
 use crate::data::classification::{self, LabelKind};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
+use crate::dist::Dist;
 use crate::hub;
 use crate::metrics;
 use crate::models::{self, Labels, ProblemType, Task, TaskModel};
@@ -27,6 +31,8 @@ use crate::sysinfo::CpuInfo;
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct Summary {
+    /// Whether this process is rank 0, the one that reports.
+    pub root: bool,
     pub output_dir: PathBuf,
     pub steps: usize,
     pub epochs_done: f64,
@@ -44,17 +50,21 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
         & 0x7fff_ffff_ffff_ffff) as i64
 }
 
-/// Evaluates on `features`: mean loss and the task's metrics, keys prefixed `eval_`.
+/// Evaluates on `features`, each process a contiguous shard, results gathered: mean loss and
+/// the task's metrics, keys prefixed `eval_`, the same on every process.
 pub fn evaluate(
     model: &TaskModel,
     features: &[Feature],
     batch_size: usize,
     pad_id: i64,
     pad_to: Option<usize>,
+    dist: &Dist,
 ) -> Result<BTreeMap<String, f64>> {
     let regression = model.config.resolved_problem_type() == ProblemType::Regression;
-    let (mut loss_sum, mut preds, mut scores, mut gold) = (0.0, Vec::new(), Vec::new(), Vec::new());
-    for chunk in features.chunks(batch_size) {
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
+    let (mut loss_sum, mut outputs) = (0.0, Vec::with_capacity(shard.len()));
+    for chunk in shard.chunks(batch_size) {
         let refs: Vec<&Feature> = chunk.iter().collect();
         let (inputs, y, _) = batching::collate(&refs, pad_id, pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
@@ -64,26 +74,26 @@ pub fn evaluate(
             Labels::Classes(y.to_kind(Kind::Int64))
         };
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * chunk.len() as f64;
-        if regression {
-            scores.extend(
-                Vec::<f32>::try_from(out.logits.view([-1]))?
-                    .into_iter()
-                    .map(f64::from),
-            );
+        // A regression score, or the predicted class id (exact in f32).
+        let out = if regression {
+            out.logits.view([-1]).to_kind(Kind::Float)
         } else {
-            preds.extend(
-                Vec::<i64>::try_from(out.logits.argmax(-1, false))?
-                    .into_iter()
-                    .map(|p| p as usize),
-            );
-        }
-        gold.extend(chunk.iter().map(|f| f.label));
+            out.logits.argmax(-1, false).to_kind(Kind::Float)
+        };
+        outputs.extend(Vec::<f32>::try_from(out)?);
     }
+    let outputs: Vec<f32> = dist.all_gather_f32("evaluation outputs", outputs)?.concat();
+    let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
+    let gold: Vec<f64> = features.iter().map(|f| f.label).collect();
     let mut m = if regression {
-        metrics::regression_report(&scores, &gold)
+        metrics::regression_report(
+            &outputs.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+            &gold,
+        )
     } else {
+        let pred: Vec<usize> = outputs.iter().map(|&p| p as usize).collect();
         let gold: Vec<usize> = gold.iter().map(|&g| g as usize).collect();
-        metrics::classification_report(&preds, &gold, model.config.num_labels())
+        metrics::classification_report(&pred, &gold, model.config.num_labels())
     };
     m.insert("loss".into(), loss_sum / features.len().max(1) as f64);
     Ok(m.into_iter()
@@ -112,14 +122,34 @@ fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
 }
 
 /// Runs the fine-tuning described by `config`; `resume` is `latest` or a checkpoint path.
+/// Under an MPI launcher this process is one rank of the job; an error on any rank is printed
+/// with its rank and stops every rank.
 pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
+    let dist = Dist::init(config.dist.collective_timeout_s)?;
+    if dist.topo.world == 1 {
+        return train_on(config, resume, &dist);
+    }
+    let _rank = tracing::info_span!("rank", r = dist.topo.rank).entered();
+    match train_on(config, resume, &dist) {
+        Ok(summary) => Ok(summary),
+        Err(e) => {
+            crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
+            dist.abort(1)
+        }
+    }
+}
+
+fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summary> {
     let started = Instant::now();
+    let root = dist.is_root();
     let (tc, dc) = (&config.train, &config.data);
     if config.model.task != TaskName::SeqCls {
         bail!("model.task: training supports \"seq-cls\" so far (question answering comes with the SQuAD pipeline)");
     }
     let out = PathBuf::from(&tc.output_dir);
-    prepare_output_dir(&out, resume.is_some(), tc.overwrite_output_dir)?;
+    if root {
+        prepare_output_dir(&out, resume.is_some(), tc.overwrite_output_dir)?;
+    }
     let resume_dir = resume
         .map(|spec| checkpoint::resume_dir(&out, spec))
         .transpose()?;
@@ -129,13 +159,13 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
     // bf16 compute on fp32 master weights, for training and evaluation alike.
     let _autocast =
         models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
-    let threads = if config.runtime.threads > 0 {
-        config.runtime.threads
-    } else {
-        num_cpus::get_physical()
-    };
-    tch::set_num_threads(threads as i32);
-    tracing::info!("precision {precision:?}, {threads} threads");
+    let threads =
+        crate::sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
+    tch::set_num_threads(threads.count as i32);
+    if root {
+        tracing::info!("precision {precision:?}, {} process(es)", dist.topo.world);
+    }
+    tracing::info!("{}", threads.describe(&dist.topo));
 
     // Data: labels come from the training file and fix the head's size.
     let model_dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
@@ -191,8 +221,10 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
         config.runtime.seed as i64,
     )?;
     let (vs, model) = (pretrained.vs, pretrained.model);
-    for line in pretrained.report.summary_lines(&model.class_name(), source) {
-        tracing::warn!("{line}");
+    if root {
+        for line in pretrained.report.summary_lines(&model.class_name(), source) {
+            tracing::warn!("{line}");
+        }
     }
     let usable = crate::predict::usable_positions(&model.config);
     if config.model.max_seq_len > usable {
@@ -218,7 +250,7 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
     let plan = BatchPlan {
         micro_batch: tc.batch_size,
         accumulation: tc.gradient_accumulation_steps,
-        world: 1,
+        world: dist.topo.world,
         seed: config.runtime.seed,
         drop_last: tc.drop_last,
         group_by_length: dc.group_by_length,
@@ -246,7 +278,31 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
     )?;
 
     // Optimizer over the flat parameter buffer, restored when resuming.
-    let mut flat = FlatParams::new(&vs);
+    let mut flat = FlatParams::new(&vs, |name| model.backward_stage(name));
+    // Every rank must run the same job on the same model: compare before the first collective
+    // that depends on it, then start from rank 0's weights.
+    let mut fingerprint = config.dotted_lines()?;
+    fingerprint.extend(
+        flat.slots
+            .iter()
+            .map(|s| format!("tensor {} {:?} float32", s.name, s.shape)),
+    );
+    fingerprint.push(format!("training examples {}", train_features.len()));
+    dist.check_same(
+        "the resolved configuration or parameter layout",
+        &fingerprint,
+    )?;
+    if dist.topo.world > 1 {
+        let mut weights = Vec::new();
+        flat.read_params(&mut weights);
+        let weights = dist.broadcast("initial parameters", weights)?;
+        flat.write_params(&weights);
+    }
+    let buckets = flat.buckets((config.dist.bucket_mb * 1024.0 * 1024.0) as usize);
+    let mut bucket_bufs: Vec<Vec<f32>> = buckets
+        .iter()
+        .map(|r| Vec::with_capacity(r.len()))
+        .collect();
     let adam = AdamWConfig {
         beta1: tc.adam_beta1,
         beta2: tc.adam_beta2,
@@ -314,30 +370,38 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
         tokenizer_json: &tokenizer_json,
         resolved_config: &resolved,
     };
-    let mut log = MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some())?;
-    let mut progress = Progress::new(total_steps, state.global_step);
-    tracing::info!(
-        "{} examples ({} held for evaluation), {} steps of {} examples, {} parameters",
-        train_features.len(),
-        eval_features.len(),
-        total_steps,
-        plan.global_batch(),
-        flat.numel()
-    );
+    let mut log = root
+        .then(|| MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some()))
+        .transpose()?;
+    let mut progress = Progress::new(total_steps, state.global_step, root);
+    if root {
+        tracing::info!(
+            "{} examples ({} held for evaluation), {} steps of {} examples, {} parameters in {} gradient buckets",
+            train_features.len(),
+            eval_features.len(),
+            total_steps,
+            plan.global_batch(),
+            flat.numel(),
+            buckets.len()
+        );
+    }
 
     // The loop.
     let (mut window_loss, mut window_steps, mut window_samples, mut window_tokens) =
         (0.0, 0usize, 0usize, 0usize);
-    let (mut t_data, mut t_fwd, mut t_bwd, mut t_opt, mut window_start) =
-        (0.0, 0.0, 0.0, 0.0, Instant::now());
+    let (mut t_data, mut t_fwd, mut t_bwd, mut t_comm, mut t_opt, mut window_start) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, Instant::now());
     let (mut run_loss, mut run_steps, mut run_samples) = (0.0, 0usize, 0usize);
     let mut final_eval = BTreeMap::new();
     while state.global_step < total_steps {
         let batches = plan.epoch(&lengths, state.epoch);
         let mut epoch_done = false;
         for (index, global) in batches.iter().enumerate().skip(state.batch_in_epoch) {
-            let micro = plan.micro_batches(global, 0);
-            let mut step_loss = 0.0;
+            let micro = plan.micro_batches(global, dist.topo.rank);
+            // Each micro-batch's mean loss counts 1/(micro-batches in the whole step): the
+            // gradient is their mean whatever the number of processes, tails included.
+            let micro_in_step = global.len().div_ceil(plan.micro_batch) as f64;
+            let (mut step_loss, mut step_tokens) = (0.0, 0usize);
             for (m, indices) in micro.iter().enumerate() {
                 let t = Instant::now();
                 let refs: Vec<&Feature> = indices.iter().map(|&i| &train_features[i]).collect();
@@ -349,18 +413,49 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
                 };
                 t_data += t.elapsed().as_secs_f64();
                 let t = Instant::now();
-                tch::manual_seed(dropout_seed(config.runtime.seed, state.global_step, m));
+                let micro_index = dist.topo.rank * plan.accumulation + m;
+                tch::manual_seed(dropout_seed(
+                    config.runtime.seed,
+                    state.global_step,
+                    micro_index,
+                ));
                 let output = model.forward(&inputs, true);
-                let loss = model.loss(&output, &labels)? / micro.len() as f64;
+                let loss = model.loss(&output, &labels)? / micro_in_step;
                 t_fwd += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 loss.backward();
                 step_loss += loss.double_value(&[]);
                 t_bwd += t.elapsed().as_secs_f64();
-                window_tokens += real_tokens;
+                step_tokens += real_tokens;
             }
             let t = Instant::now();
             flat.gather_grads();
+            t_opt += t.elapsed().as_secs_f64();
+            // Sum gradients across processes, bucket by bucket (last layers first).
+            let t = Instant::now();
+            if dist.topo.world > 1 {
+                for (range, buf) in buckets.iter().zip(bucket_bufs.iter_mut()) {
+                    flat.read_grads(range.clone(), buf);
+                    let sent = std::mem::take(buf);
+                    let what = format!(
+                        "gradient bucket {}..{} of step {}",
+                        range.start,
+                        range.end,
+                        state.global_step + 1
+                    );
+                    *buf = match config.dist.reduce_dtype {
+                        ReduceDtype::Fp32 => dist.allreduce_sum(&what, sent)?,
+                        ReduceDtype::Bf16 => dist.allreduce_sum_bf16(&what, sent)?,
+                    };
+                    flat.write_grads(range.start, buf, 1.0);
+                }
+            }
+            let totals =
+                dist.allreduce_sum_f64("step loss", vec![step_loss, step_tokens as f64])?;
+            (step_loss, step_tokens) = (totals[0], totals[1] as usize);
+            t_comm += t.elapsed().as_secs_f64();
+            window_tokens += step_tokens;
+            let t = Instant::now();
             let grad_norm = flat.clip_grad_norm(tc.max_grad_norm);
             let lr = schedule.lr(state.global_step as i64);
             opt.step(&flat, lr);
@@ -396,12 +491,16 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
                     "grad_norm": grad_norm, "samples_per_s": window_samples as f64 / wall, "tokens_per_s": window_tokens as f64 / wall,
                     "time_data_s": t_data / window_steps as f64, "time_forward_s": t_fwd / window_steps as f64,
                     "time_backward_s": t_bwd / window_steps as f64, "time_optimizer_s": t_opt / window_steps as f64,
+                    "time_comm_exposed_s": t_comm / window_steps as f64,
                 });
-                log.write(&record)?;
+                if let Some(log) = log.as_mut() {
+                    log.write(&record)?;
+                }
                 progress.log(&record);
                 state.log_history.push(record);
                 (window_loss, window_steps, window_samples, window_tokens) = (0.0, 0, 0, 0);
-                (t_data, t_fwd, t_bwd, t_opt, window_start) = (0.0, 0.0, 0.0, 0.0, Instant::now());
+                (t_data, t_fwd, t_bwd, t_comm, t_opt, window_start) =
+                    (0.0, 0.0, 0.0, 0.0, 0.0, Instant::now());
             }
             let eval_now = match config.eval.strategy {
                 EvalStrategy::Steps => state.global_step % config.eval.steps.max(1) == 0,
@@ -415,12 +514,15 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
                     config.eval.batch_size,
                     pad_id,
                     pad_to,
+                    dist,
                 )?;
                 let mut record = json!({"step": state.global_step, "epoch": epoch_f});
                 for (k, v) in &m {
                     record[k] = json!(v);
                 }
-                log.write(&record)?;
+                if let Some(log) = log.as_mut() {
+                    log.write(&record)?;
+                }
                 progress.log(&record);
                 state.log_history.push(record);
                 if last {
@@ -428,7 +530,7 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
                     final_eval = m;
                 }
             }
-            if (tc.save_steps > 0 && state.global_step % tc.save_steps == 0) || last {
+            if root && ((tc.save_steps > 0 && state.global_step % tc.save_steps == 0) || last) {
                 let moments = [
                     ("exp_avg".to_string(), opt.exp_avg.shallow_clone()),
                     ("exp_avg_sq".to_string(), opt.exp_avg_sq.shallow_clone()),
@@ -467,6 +569,7 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
     }
     let wall_s = started.elapsed().as_secs_f64();
     Ok(Summary {
+        root,
         output_dir: out,
         steps: state.global_step,
         epochs_done: state.epoch as f64 + state.batch_in_epoch as f64 / steps_per_epoch as f64,

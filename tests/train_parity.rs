@@ -18,7 +18,7 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
             .unwrap();
     let steps = hp["steps"].as_i64().unwrap();
     let p = from_pretrained(&dir, Task::SequenceClassification, |_| Ok(()), 0).unwrap();
-    let flat = FlatParams::new(&p.vs);
+    let flat = FlatParams::new(&p.vs, |n| p.model.backward_stage(n));
     let mut opt = AdamW::new(
         AdamWConfig {
             beta1: 0.9,

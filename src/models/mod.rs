@@ -301,6 +301,26 @@ impl TaskModel {
         }
     }
 
+    /// When backward produces a parameter's gradient, as a rank: heads and pooler 0, encoder
+    /// layers from the last (1) to the first (L), embeddings L + 1.
+    pub fn backward_stage(&self, name: &str) -> usize {
+        let layers = self.config.num_layers as usize;
+        let prefix = format!("{}.", self.config.arch.prefix());
+        let rest = name.strip_prefix(&prefix).unwrap_or(name);
+        if rest.starts_with("embeddings.") {
+            return layers + 1;
+        }
+        let layer = ["encoder.layer.", "transformer.layer."]
+            .iter()
+            .find_map(|p| rest.strip_prefix(p))
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        match layer {
+            Some(i) if i < layers => layers - i,
+            _ => 0,
+        }
+    }
+
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> ModelOutput {
         let (hidden, pooled) = match &self.backbone {
             Backbone::Bert { encoder, pooler } => {

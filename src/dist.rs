@@ -1,0 +1,379 @@
+//! Data parallelism over MPI. Knows nothing of models: it moves f32 buffers and bytes.
+//!
+//! One communication thread owns every MPI call (it initialises MPI, so MPI_THREAD_FUNNELED
+//! holds from its point of view); the training thread hands it jobs through a channel and waits
+//! for each reply with a timeout, so a collective that never finishes is reported instead of
+//! hanging. Buffers travel by ownership (moved there and back), nothing is copied or shared.
+//! Without a launcher (no PMI_RANK / PMI_SIZE in the environment) the world is one process and
+//! MPI is not initialised at all.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::traits::*;
+
+/// Writes one line to stderr in a single write, so lines of several ranks sharing a pipe never
+/// interleave mid-line.
+pub fn eprint_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("{line}\n").as_bytes());
+}
+
+/// This process's rank once known, for error messages (`sprtrain: rank 1: error: ...`).
+static RANK: OnceLock<(usize, usize)> = OnceLock::new();
+
+/// (rank, world size) if this process runs in a world of more than one.
+pub fn rank_in_world() -> Option<(usize, usize)> {
+    RANK.get().copied().filter(|(_, w)| *w > 1)
+}
+
+/// Where this process stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    pub rank: usize,
+    pub world: usize,
+    /// Rank among the processes sharing this node's memory, and how many there are.
+    pub local_rank: usize,
+    pub local_size: usize,
+    pub host: String,
+}
+
+enum Job {
+    AllreduceF32(Vec<f32>, Sender<Vec<f32>>),
+    AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
+    BroadcastF32(Vec<f32>, Sender<Vec<f32>>),
+    AllGatherBytes(Vec<u8>, Sender<Vec<Vec<u8>>>),
+    AllGatherF32(Vec<f32>, Sender<Vec<Vec<f32>>>),
+    AllGatherU16(Vec<u16>, Sender<Vec<Vec<u16>>>),
+    Abort(i32),
+}
+
+/// The process group. A world of one performs every collective locally.
+pub struct Dist {
+    pub topo: Topology,
+    jobs: Option<Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    timeout: Duration,
+}
+
+/// Whether an MPI launcher (MPICH / Intel MPI Hydra, or any PMI launcher) started us.
+fn launched_by_mpi() -> bool {
+    [
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "MPI_LOCALNRANKS",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
+    for job in jobs {
+        match job {
+            Job::AllreduceF32(send, reply) => {
+                let mut recv = vec![0f32; send.len()];
+                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                let _ = reply.send(recv);
+            }
+            Job::AllreduceF64(send, reply) => {
+                let mut recv = vec![0f64; send.len()];
+                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                let _ = reply.send(recv);
+            }
+            Job::BroadcastF32(mut buf, reply) => {
+                world.process_at_rank(0).broadcast_into(&mut buf[..]);
+                let _ = reply.send(buf);
+            }
+            Job::AllGatherBytes(bytes, reply) => {
+                let _ = reply.send(all_gather_varcount(&world, &bytes));
+            }
+            Job::AllGatherF32(values, reply) => {
+                let _ = reply.send(all_gather_varcount(&world, &values));
+            }
+            Job::AllGatherU16(values, reply) => {
+                let _ = reply.send(all_gather_varcount(&world, &values));
+            }
+            Job::Abort(code) => world.abort(code),
+        }
+    }
+}
+
+fn all_gather_varcount<T: Equivalence + Default + Clone>(
+    world: &mpi::topology::SimpleCommunicator,
+    data: &[T],
+) -> Vec<Vec<T>> {
+    let n = world.size() as usize;
+    let mut counts = vec![0i32; n];
+    world.all_gather_into(&(data.len() as i32), &mut counts[..]);
+    let displs: Vec<i32> = counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let d = *acc;
+            *acc += c;
+            Some(d)
+        })
+        .collect();
+    let total: i32 = counts.iter().sum();
+    let mut all = vec![T::default(); total as usize];
+    {
+        let mut partition = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        world.all_gather_varcount_into(data, &mut partition);
+    }
+    counts
+        .iter()
+        .zip(&displs)
+        .map(|(&c, &d)| all[d as usize..(d + c) as usize].to_vec())
+        .collect()
+}
+
+impl Dist {
+    /// Joins the world: MPI when a launcher started us, else a world of one.
+    pub fn init(collective_timeout_s: f64) -> Result<Dist> {
+        let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
+        let host = hostname();
+        if !launched_by_mpi() {
+            let _ = RANK.set((0, 1));
+            let topo = Topology {
+                rank: 0,
+                world: 1,
+                local_rank: 0,
+                local_size: 1,
+                host,
+            };
+            return Ok(Dist {
+                topo,
+                jobs: None,
+                thread: None,
+                timeout,
+            });
+        }
+        let (tx, rx) = channel::<Job>();
+        let (topo_tx, topo_rx) = channel::<Result<Topology, String>>();
+        let thread = std::thread::Builder::new()
+            .name("sprtrain-mpi".into())
+            .spawn(move || {
+                let Some((universe, _level)) =
+                    mpi::initialize_with_threading(mpi::Threading::Funneled)
+                else {
+                    let _ = topo_tx.send(Err("MPI was already initialised".into()));
+                    return;
+                };
+                let world = universe.world();
+                let node = world.split_shared(world.rank());
+                let topo = Topology {
+                    rank: world.rank() as usize,
+                    world: world.size() as usize,
+                    local_rank: node.rank() as usize,
+                    local_size: node.size() as usize,
+                    host: mpi::environment::processor_name().unwrap_or_else(|_| hostname()),
+                };
+                let _ = topo_tx.send(Ok(topo));
+                serve(world, rx);
+                // `universe` drops here: MPI_Finalize, on this thread, after the last job.
+            })
+            .context("cannot start the MPI communication thread")?;
+        let topo = topo_rx
+            .recv_timeout(timeout)
+            .map_err(|_| {
+                anyhow!("MPI initialisation did not finish within {collective_timeout_s} s")
+            })?
+            .map_err(|e| anyhow!(e))?;
+        let _ = RANK.set((topo.rank, topo.world));
+        Ok(Dist {
+            topo,
+            jobs: Some(tx),
+            thread: Some(thread),
+            timeout,
+        })
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.topo.rank == 0
+    }
+
+    /// Sends a job and waits for its reply; a reply that does not come in time is fatal for the
+    /// whole job: reported with this rank and `what`, then every rank is stopped.
+    fn call<T>(&self, what: &str, make: impl FnOnce(Sender<T>) -> Job) -> Result<T> {
+        let Some(jobs) = &self.jobs else {
+            bail!("no MPI world")
+        };
+        let (tx, rx) = channel();
+        jobs.send(make(tx))
+            .map_err(|_| anyhow!("rank {}: the MPI thread has stopped", self.topo.rank))?;
+        match rx.recv_timeout(self.timeout) {
+            Ok(v) => Ok(v),
+            Err(_) => {
+                eprint_line(&format!(
+                    "sprtrain: rank {}: error: collective {what} did not finish within {} s (dist.collective_timeout_s); aborting the job",
+                    self.topo.rank,
+                    self.timeout.as_secs_f64()
+                ));
+                // The MPI thread is stuck inside the collective: leave without it. The launcher
+                // sees a failed process and stops the others.
+                std::process::exit(3);
+            }
+        }
+    }
+
+    /// Element-wise sum over all ranks.
+    pub fn allreduce_sum(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
+        if self.topo.world == 1 {
+            return Ok(buf);
+        }
+        self.call(what, |tx| Job::AllreduceF32(buf, tx))
+    }
+
+    /// Element-wise sum of small f64 statistics (losses, counts).
+    pub fn allreduce_sum_f64(&self, what: &str, buf: Vec<f64>) -> Result<Vec<f64>> {
+        if self.topo.world == 1 {
+            return Ok(buf);
+        }
+        self.call(what, |tx| Job::AllreduceF64(buf, tx))
+    }
+
+    /// Rank 0's buffer on every rank.
+    pub fn broadcast(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
+        if self.topo.world == 1 {
+            return Ok(buf);
+        }
+        self.call(what, |tx| Job::BroadcastF32(buf, tx))
+    }
+
+    /// Element-wise sum with bf16 on the wire (half of fp32's traffic): every rank's bf16
+    /// values are gathered and summed in fp32, in rank order, so all ranks get the same result.
+    pub fn allreduce_sum_bf16(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
+        if self.topo.world == 1 {
+            return Ok(buf);
+        }
+        let wire: Vec<u16> = buf.iter().map(|&x| f32_to_bf16(x)).collect();
+        let all = self.call(what, |tx| Job::AllGatherU16(wire, tx))?;
+        let mut sum = buf;
+        sum.iter_mut().for_each(|x| *x = 0.0);
+        for part in &all {
+            for (s, &h) in sum.iter_mut().zip(part) {
+                *s += f32::from_bits((h as u32) << 16);
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Every rank's bytes, by rank.
+    pub fn all_gather_bytes(&self, what: &str, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        if self.topo.world == 1 {
+            return Ok(vec![bytes]);
+        }
+        self.call(what, |tx| Job::AllGatherBytes(bytes, tx))
+    }
+
+    /// Every rank's values, by rank.
+    pub fn all_gather_f32(&self, what: &str, values: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+        if self.topo.world == 1 {
+            return Ok(vec![values]);
+        }
+        self.call(what, |tx| Job::AllGatherF32(values, tx))
+    }
+
+    /// Checks that every rank holds the same `lines` (the resolved config and the parameter
+    /// layout, one `key = value` per line); on a mismatch every rank fails with the first
+    /// differing line and the ranks involved, so none is left waiting.
+    pub fn check_same(&self, what: &str, lines: &[String]) -> Result<()> {
+        let all = self.all_gather_bytes(what, lines.join("\n").into_bytes())?;
+        let texts: Vec<String> = all
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).to_string())
+            .collect();
+        for (r, text) in texts.iter().enumerate().skip(1) {
+            if *text == texts[0] {
+                continue;
+            }
+            let (a, b): (Vec<&str>, Vec<&str>) =
+                (texts[0].lines().collect(), text.lines().collect());
+            let i = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x != y)
+                .unwrap_or(a.len().min(b.len()));
+            let show = |v: &[&str]| v.get(i).map_or("(nothing)".to_string(), |s| s.to_string());
+            bail!(
+                "{what} differs between rank 0 and rank {r}: rank 0 has `{}`, rank {r} has `{}`",
+                show(&a),
+                show(&b)
+            );
+        }
+        Ok(())
+    }
+
+    /// Stops every rank of the job (MPI_Abort) after this rank's error was printed.
+    pub fn abort(&self, code: i32) -> ! {
+        if let Some(jobs) = &self.jobs {
+            // A moment for other ranks that failed the same way to print their own message.
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = jobs.send(Job::Abort(code));
+            // MPI_Abort never returns; if the MPI thread is stuck in a collective, exit anyway.
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        std::process::exit(code);
+    }
+}
+
+impl Drop for Dist {
+    fn drop(&mut self) {
+        // Closing the channel ends the MPI thread's loop; it finalises MPI before we go on.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Round to nearest even, as PyTorch converts fp32 to bf16 (NaN stays NaN).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    ((bits.wrapping_add(rounding)) >> 16) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_matches_torch() {
+        // torch.tensor([1.0, 1.00390625, 1.01171875, -3.14159]).bfloat16() bit patterns
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(1.003_906_25), 0x3f80); // tie rounds to even
+        assert_eq!(f32_to_bf16(1.011_718_75), 0x3f82); // tie rounds to even (up)
+        assert_eq!(f32_to_bf16(-3.14159), 0xc049);
+    }
+
+    #[test]
+    fn a_world_of_one_reduces_locally() {
+        let d = Dist::init(5.0).unwrap();
+        if d.topo.world != 1 {
+            return; // under a launcher this test has nothing to say
+        }
+        assert_eq!(
+            d.allreduce_sum("t", vec![1.0, 2.0]).unwrap(),
+            vec![1.0, 2.0]
+        );
+        assert_eq!(d.broadcast("t", vec![3.0]).unwrap(), vec![3.0]);
+        d.check_same("config", &["a = 1".to_string()]).unwrap();
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}

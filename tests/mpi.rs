@@ -1,0 +1,247 @@
+//! Data parallelism under `mpirun -n 2` (MPICH's, or Intel MPI's with scripts/test_intel_mpi.sh).
+//! Each test launches the job itself and checks the job's result; they skip with a message
+//! where no `mpirun` is on PATH.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::fixtures;
+use serde_json::Value;
+
+fn mpirun() -> Option<String> {
+    let cmd = std::env::var("SPRTRAIN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    Command::new(&cmd)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| cmd)
+}
+
+const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
+
+/// 240 labelled sentences: 30 steps of 8 examples, no partial batch.
+fn write_data(dir: &Path) -> PathBuf {
+    let words = [
+        "the", "movie", "was", "a", "delight", "dull", "film", "paris", "city", "rained", "day",
+        "story",
+    ];
+    let mut text = String::from("sentence\tlabel\n");
+    for i in 0..240usize {
+        let n = 2 + (i * 7) % 13;
+        let s: Vec<&str> = (0..n)
+            .map(|j| words[(i * 5 + j * 3) % words.len()])
+            .collect();
+        text.push_str(&format!("{}\t{}\n", s.join(" "), (n + i / 7) % 2));
+    }
+    let p = dir.join("train.tsv");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The tiny BERT classifier with dropout off (the transformers training-parity fixture), so
+/// one micro-batch of 2B and two of B compute the same mean.
+fn config(
+    dir: &Path,
+    data: &Path,
+    name: &str,
+    batch: usize,
+    accum: usize,
+    steps: usize,
+) -> (PathBuf, PathBuf) {
+    let out = dir.join(name);
+    let text = format!(
+        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n[data]\ntrain_file = \"{}\"\n\
+         [train]\noutput_dir = \"{}\"\nmax_steps = {steps}\nbatch_size = {batch}\ngradient_accumulation_steps = {accum}\n\
+         learning_rate = 1e-3\nweight_decay = 0.01\nwarmup_steps = 3\nlogging_steps = 1\nsave_steps = 0\n\
+         [eval]\nstrategy = \"no\"\n[runtime]\nprecision = \"fp32\"\nseed = 3\n",
+        fixtures().join("train_parity").display(),
+        data.display(),
+        out.display()
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    (path, out)
+}
+
+fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|r| r.get("loss").and_then(Value::as_f64))
+        .collect()
+}
+
+fn weights(out: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w =
+        sprtrain::models::weights::read_safetensors(&out.join("model.safetensors")).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+fn run_ok(mut cmd: Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two ranks with batch B against one rank with batch 2B, and against one rank with batch B and
+/// accumulation 2: per-step losses within 1e-5 relative and final weights within 1e-5 (fp32;
+/// the runs differ only in summation order and padding length).
+#[test]
+fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: no mpirun on PATH (scripts/setup.sh installs MPICH)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let (c2, out2) = config(tmp.path(), &data, "two-ranks", 4, 1, 30);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"]).arg(&c2);
+    run_ok(cmd);
+    let two = (losses(&out2), weights(&out2));
+    assert_eq!(two.0.len(), 30);
+    assert!(
+        two.0.iter().any(|l| (l - two.0[0]).abs() > 1e-2),
+        "losses did not move: {:?}",
+        two.0
+    );
+
+    for (name, batch, accum) in [("double-batch", 8, 1), ("accumulation", 4, 2)] {
+        let (c1, out1) = config(tmp.path(), &data, name, batch, accum, 30);
+        let mut cmd = Command::new(BIN);
+        cmd.arg("--config").arg(&c1);
+        run_ok(cmd);
+        let one = (losses(&out1), weights(&out1));
+        let worst = one
+            .0
+            .iter()
+            .zip(&two.0)
+            .map(|(a, b)| ((a - b) / b).abs())
+            .fold(0.0, f64::max);
+        eprintln!("{name}: per-step loss max relative difference {worst:e}");
+        assert!(worst <= 1e-5, "{name}: losses {:?} vs {:?}", one.0, two.0);
+        let mut wmax = 0.0f64;
+        for ((n1, t1), (n2, t2)) in one.1.iter().zip(&two.1) {
+            assert_eq!(n1, n2);
+            wmax = wmax.max((t1 - t2).abs().max().double_value(&[]));
+        }
+        eprintln!("{name}: final weights max abs difference {wmax:e}");
+        assert!(wmax <= 1e-5, "{name}: weights differ by {wmax}");
+    }
+}
+
+/// Ranks started with different configs (an MPMD launch, --set on rank 1 only) all stop with an
+/// error naming the key and the ranks, fast, never hanging.
+#[test]
+fn mismatched_configs_stop_every_rank() {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let (c, _) = config(tmp.path(), &data, "mpmd", 4, 1, 5);
+    let start = Instant::now();
+    let out = Command::new(&mpirun)
+        .args(["-n", "1", BIN, "--config"])
+        .arg(&c)
+        .args([":", "-n", "1", BIN, "--config"])
+        .arg(&c)
+        .args(["--set", "train.learning_rate=2e-3"])
+        .output()
+        .unwrap();
+    let took = start.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(!out.status.success());
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    let want = "differs between rank 0 and rank 1: rank 0 has `train.learning_rate = 0.001`, rank 1 has `train.learning_rate = 0.002`";
+    // Rank 0 always reports; rank 1 usually does too, unless rank 0's MPI_Abort ends it first.
+    assert!(
+        stderr.contains(&format!(
+            "sprtrain: rank 0: error: {}",
+            "the resolved configuration"
+        )),
+        "{stderr}"
+    );
+    assert!(stderr.contains(want), "{stderr}");
+}
+
+/// `kill -9` of rank 1 mid-run: the job ends, non-zero, within 30 s.
+#[test]
+fn killing_a_rank_ends_the_job() {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let (c, out) = config(tmp.path(), &data, "victim", 4, 1, 1_000_000);
+    let mut job = Command::new(&mpirun)
+        .args(["-n", "2", BIN, "--config"])
+        .arg(&c)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until training runs (the metrics log grows), then kill rank 1.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while losses_len(&out) < 3 {
+        assert!(Instant::now() < deadline, "training never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let victim = rank_pid(&c, 1).expect("rank 1's process");
+    let killed = Instant::now();
+    unsafe { libc::kill(victim, libc::SIGKILL) };
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            let _ = job.kill();
+            panic!("the job outlived rank 1 by 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eprintln!(
+        "job ended {:?} after rank 1 was killed, status {status}",
+        killed.elapsed()
+    );
+    assert!(!status.success());
+    assert!(rank_pid(&c, 0).is_none(), "rank 0 is still running");
+}
+
+fn losses_len(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// The pid of the sprtrain process of `rank` running `config`.
+fn rank_pid(config: &Path, rank: usize) -> Option<i32> {
+    let want = config.to_string_lossy().to_string();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if !cmdline.starts_with(BIN) || !cmdline.contains(&want) {
+            continue;
+        }
+        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let env = String::from_utf8_lossy(&env).to_string();
+        if env.split('\0').any(|kv| kv == format!("PMI_RANK={rank}")) {
+            return Some(pid);
+        }
+    }
+    None
+}
