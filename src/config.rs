@@ -234,6 +234,11 @@ pub struct ModelConfig {
     pub problem_type: String,
     /// Tokens per example including special tokens; longer inputs are truncated.
     pub max_seq_len: usize,
+    /// Build the model from config.json alone, randomly initialised as transformers does (for
+    /// shapes without weights: benchmarks, or pretraining-style runs).
+    pub random_init: bool,
+    /// tokenizer.json to use instead of the model directory's.
+    pub tokenizer_file: String,
 }
 
 impl Default for ModelConfig {
@@ -245,6 +250,8 @@ impl Default for ModelConfig {
             num_labels: 0,
             problem_type: "auto".into(),
             max_seq_len: 128,
+            random_init: false,
+            tokenizer_file: String::new(),
         }
     }
 }

@@ -46,12 +46,33 @@ pub struct Topology {
 
 enum Job {
     AllreduceF32(Vec<f32>, Sender<Vec<f32>>),
+    AllreduceBf16(Vec<f32>, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
     BroadcastF32(Vec<f32>, Sender<Vec<f32>>),
     AllGatherBytes(Vec<u8>, Sender<Vec<Vec<u8>>>),
     AllGatherF32(Vec<f32>, Sender<Vec<Vec<f32>>>),
-    AllGatherU16(Vec<u16>, Sender<Vec<Vec<u16>>>),
     Abort(i32),
+}
+
+/// A started sum; `wait` for its result.
+pub struct Pending {
+    what: String,
+    reply: Option<Receiver<Vec<f32>>>,
+    ready: Option<Vec<f32>>,
+}
+
+impl Pending {
+    /// The summed buffer; past the collective timeout the job is stopped (see `Dist::call`).
+    pub fn wait(self, dist: &Dist) -> Result<Vec<f32>> {
+        if let Some(v) = self.ready {
+            return Ok(v);
+        }
+        let rx = self.reply.context("no reply channel")?;
+        match rx.recv_timeout(dist.timeout) {
+            Ok(v) => Ok(v),
+            Err(_) => dist.timed_out(&self.what),
+        }
+    }
 }
 
 /// The process group. A world of one performs every collective locally.
@@ -83,6 +104,18 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
                 world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
                 let _ = reply.send(recv);
             }
+            Job::AllreduceBf16(mut buf, reply) => {
+                // bf16 on the wire, summed in fp32 in rank order: the same result everywhere.
+                let wire: Vec<u16> = buf.iter().map(|&x| f32_to_bf16(x)).collect();
+                let all = all_gather_varcount(&world, &wire);
+                buf.iter_mut().for_each(|x| *x = 0.0);
+                for part in &all {
+                    for (s, &h) in buf.iter_mut().zip(part) {
+                        *s += f32::from_bits((h as u32) << 16);
+                    }
+                }
+                let _ = reply.send(buf);
+            }
             Job::AllreduceF64(send, reply) => {
                 let mut recv = vec![0f64; send.len()];
                 world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
@@ -96,9 +129,6 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
                 let _ = reply.send(all_gather_varcount(&world, &bytes));
             }
             Job::AllGatherF32(values, reply) => {
-                let _ = reply.send(all_gather_varcount(&world, &values));
-            }
-            Job::AllGatherU16(values, reply) => {
                 let _ = reply.send(all_gather_varcount(&world, &values));
             }
             Job::Abort(code) => world.abort(code),
@@ -210,17 +240,19 @@ impl Dist {
             .map_err(|_| anyhow!("rank {}: the MPI thread has stopped", self.topo.rank))?;
         match rx.recv_timeout(self.timeout) {
             Ok(v) => Ok(v),
-            Err(_) => {
-                eprint_line(&format!(
-                    "sprtrain: rank {}: error: collective {what} did not finish within {} s (dist.collective_timeout_s); aborting the job",
-                    self.topo.rank,
-                    self.timeout.as_secs_f64()
-                ));
-                // The MPI thread is stuck inside the collective: leave without it. The launcher
-                // sees a failed process and stops the others.
-                std::process::exit(3);
-            }
+            Err(_) => self.timed_out(what),
         }
+    }
+
+    fn timed_out(&self, what: &str) -> ! {
+        eprint_line(&format!(
+            "sprtrain: rank {}: error: collective {what} did not finish within {} s (dist.collective_timeout_s); aborting the job",
+            self.topo.rank,
+            self.timeout.as_secs_f64()
+        ));
+        // The MPI thread is stuck inside the collective: leave without it. The launcher sees a
+        // failed process and stops the others.
+        std::process::exit(3);
     }
 
     /// Element-wise sum over all ranks.
@@ -247,22 +279,33 @@ impl Dist {
         self.call(what, |tx| Job::BroadcastF32(buf, tx))
     }
 
-    /// Element-wise sum with bf16 on the wire (half of fp32's traffic): every rank's bf16
-    /// values are gathered and summed in fp32, in rank order, so all ranks get the same result.
-    pub fn allreduce_sum_bf16(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
+    /// Starts an element-wise sum of `buf` over all ranks and returns at once; the MPI thread
+    /// works through started sums in order while the caller computes. `bf16` puts bf16 on the
+    /// wire (half the traffic), summed in fp32.
+    pub fn start_allreduce(&self, what: String, buf: Vec<f32>, bf16: bool) -> Result<Pending> {
         if self.topo.world == 1 {
-            return Ok(buf);
+            return Ok(Pending {
+                what,
+                reply: None,
+                ready: Some(buf),
+            });
         }
-        let wire: Vec<u16> = buf.iter().map(|&x| f32_to_bf16(x)).collect();
-        let all = self.call(what, |tx| Job::AllGatherU16(wire, tx))?;
-        let mut sum = buf;
-        sum.iter_mut().for_each(|x| *x = 0.0);
-        for part in &all {
-            for (s, &h) in sum.iter_mut().zip(part) {
-                *s += f32::from_bits((h as u32) << 16);
-            }
-        }
-        Ok(sum)
+        let Some(jobs) = &self.jobs else {
+            bail!("no MPI world")
+        };
+        let (tx, rx) = channel();
+        let job = if bf16 {
+            Job::AllreduceBf16(buf, tx)
+        } else {
+            Job::AllreduceF32(buf, tx)
+        };
+        jobs.send(job)
+            .map_err(|_| anyhow!("rank {}: the MPI thread has stopped", self.topo.rank))?;
+        Ok(Pending {
+            what,
+            reply: Some(rx),
+            ready: None,
+        })
     }
 
     /// Every rank's bytes, by rank.

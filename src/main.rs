@@ -64,15 +64,18 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         TaskName::Mlm => Task::MaskedLm,
     };
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
-    let pretrained = models::from_pretrained(
-        &dir,
-        task,
-        |c| num_labels.map_or(Ok(()), |n| c.set_num_labels(n)),
-        config.runtime.seed as i64,
-    )?;
+    let adapt = |c: &mut models::EncoderConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
+    let seed = config.runtime.seed as i64;
+    let pretrained = if config.model.random_init {
+        models::from_config(&dir, task, adapt, seed)?
+    } else {
+        models::from_pretrained(&dir, task, adapt, seed)?
+    };
     let class = pretrained.model.class_name();
-    for line in pretrained.report.summary_lines(&class, &dir) {
-        tracing::warn!("{line}");
+    if !config.model.random_init {
+        for line in pretrained.report.summary_lines(&class, &dir) {
+            tracing::warn!("{line}");
+        }
     }
     let c = &pretrained.model.config;
     let usable = predict::usable_positions(c);
@@ -83,8 +86,13 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
             c.max_position_embeddings
         );
     }
+    let tokenizer = if config.model.tokenizer_file.is_empty() {
+        dir.join(hub::TOKENIZER_FILE)
+    } else {
+        PathBuf::from(&config.model.tokenizer_file)
+    };
     sprtrain::data::tokenizer::TextTokenizer::from_file(
-        &dir.join(hub::TOKENIZER_FILE),
+        &tokenizer,
         c.pad_token_id,
         config.model.max_seq_len,
         sprtrain::data::tokenizer::Truncation::LongestFirst,

@@ -11,6 +11,14 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 use tch::{Kind, Tensor};
 
+/// A run of whole parameters reduced together: elements of the flat buffer and the slots
+/// (parameters) they hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    pub elems: std::ops::Range<usize>,
+    pub slots: std::ops::Range<usize>,
+}
+
 /// One trainable parameter's place in the flat buffers.
 #[derive(Debug, Clone)]
 pub struct Slot {
@@ -90,21 +98,35 @@ impl FlatParams {
 
     /// Cuts the buffer into buckets of about `bytes` (never splitting a parameter), in
     /// buffer order, i.e. the order backward fills them.
-    pub fn buckets(&self, bytes: usize) -> Vec<std::ops::Range<usize>> {
+    pub fn buckets(&self, bytes: usize) -> Vec<Bucket> {
         let cap = (bytes / 4).max(1);
         let mut out = Vec::new();
-        let mut start = 0usize;
-        for slot in &self.slots {
+        let (mut start, mut first) = (0usize, 0usize);
+        for (i, slot) in self.slots.iter().enumerate() {
             let end = (slot.offset + slot.numel) as usize;
-            if end - start >= cap {
-                out.push(start..end);
-                start = end;
+            if end - start >= cap || i + 1 == self.slots.len() {
+                out.push(Bucket {
+                    elems: start..end,
+                    slots: first..i + 1,
+                });
+                (start, first) = (end, i + 1);
             }
         }
-        if start < self.numel() as usize {
-            out.push(start..self.numel() as usize);
-        }
         out
+    }
+
+    /// Copies the `.grad` of the parameters in `slots` into `into` (reused), zeros for none.
+    pub fn read_slot_grads(&self, slots: std::ops::Range<usize>, into: &mut Vec<f32>) {
+        into.clear();
+        for (var, slot) in self.vars[slots.clone()].iter().zip(&self.slots[slots]) {
+            let start = into.len();
+            into.resize(start + slot.numel as usize, 0.0);
+            let g = var.grad();
+            if g.defined() {
+                g.contiguous()
+                    .copy_data(&mut into[start..], slot.numel as usize);
+            }
+        }
     }
 
     /// Copies all parameters out (for a broadcast).
@@ -117,17 +139,6 @@ impl FlatParams {
     pub fn write_params(&self, values: &[f32]) {
         let mut p = self.params.shallow_clone();
         tch::no_grad(|| p.copy_(&Tensor::from_slice(values)));
-    }
-
-    /// Copies `range` of the flat gradient out (into a reused buffer).
-    pub fn read_grads(&self, range: std::ops::Range<usize>, into: &mut Vec<f32>) {
-        // SAFETY: `grads` is a contiguous fp32 CPU tensor of numel() elements we own, and no
-        // libtorch op writes it while the training thread is here.
-        let all = unsafe {
-            std::slice::from_raw_parts(self.grads.data_ptr() as *const f32, self.numel() as usize)
-        };
-        into.clear();
-        into.extend_from_slice(&all[range]);
     }
 
     /// Writes `values * scale` into `range` of the flat gradient.
@@ -389,8 +400,10 @@ mod tests {
         let flat = FlatParams::new(&vs, |name| 3 - name[1..2].parse::<usize>().unwrap());
         let order: Vec<&str> = flat.slots.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(order, ["p3.weight", "p2.weight", "p1.weight", "p0.weight"]);
-        assert_eq!(flat.buckets(2400), vec![0..600, 600..1100]);
-        assert_eq!(flat.buckets(4 * 1_000_000), vec![0..1100]);
+        let elems = |b: Vec<Bucket>| b.into_iter().map(|b| b.elems).collect::<Vec<_>>();
+        assert_eq!(elems(flat.buckets(2400)), vec![0..600, 600..1100]);
+        assert_eq!(flat.buckets(2400)[1].slots, 2..4);
+        assert_eq!(elems(flat.buckets(4 * 1_000_000)), vec![0..1100]);
     }
 
     #[test]

@@ -20,11 +20,11 @@ use crate::config::{Config, EvalStrategy, Precision, ReduceDtype, TaskName};
 use crate::data::batching::{self, BatchPlan, Feature};
 use crate::data::classification::{self, LabelKind};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
-use crate::dist::Dist;
+use crate::dist::{Dist, Pending};
 use crate::hub;
 use crate::metrics;
 use crate::models::{self, Labels, ProblemType, Task, TaskModel};
-use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule};
+use crate::optim::{AdamW, AdamWConfig, Bucket, FlatParams, LrSchedule};
 use crate::report::{MetricsLog, Progress};
 use crate::sysinfo::CpuInfo;
 
@@ -40,6 +40,69 @@ pub struct Summary {
     pub wall_s: f64,
     pub samples_per_s: f64,
     pub eval: BTreeMap<String, f64>,
+}
+
+/// One step's gradient sums in flight: buckets are launched in order as backward completes
+/// their stages, then awaited and written into the flat gradient.
+struct GradSync<'a> {
+    buckets: &'a [Bucket],
+    stages: &'a [usize],
+    bufs: &'a mut [Vec<f32>],
+    pending: Vec<Pending>,
+    step: usize,
+}
+
+impl<'a> GradSync<'a> {
+    fn new(
+        buckets: &'a [Bucket],
+        stages: &'a [usize],
+        bufs: &'a mut [Vec<f32>],
+        step: usize,
+    ) -> Self {
+        GradSync {
+            buckets,
+            stages,
+            bufs,
+            pending: Vec::with_capacity(buckets.len()),
+            step,
+        }
+    }
+
+    /// Launches every bucket whose parameters all have their gradients (stage <= `done`).
+    fn launch_ready(
+        &mut self,
+        flat: &FlatParams,
+        dist: &Dist,
+        done: usize,
+        bf16: bool,
+    ) -> Result<()> {
+        while let Some(b) = self.buckets.get(self.pending.len()) {
+            let i = self.pending.len();
+            if self.stages[i] > done {
+                break;
+            }
+            flat.read_slot_grads(b.slots.clone(), &mut self.bufs[i]);
+            let what = format!(
+                "gradient bucket {i} (elements {}..{}) of step {}",
+                b.elems.start, b.elems.end, self.step
+            );
+            self.pending.push(dist.start_allreduce(
+                what,
+                std::mem::take(&mut self.bufs[i]),
+                bf16,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// Waits for every bucket and writes the sums into the flat gradient.
+    fn finish(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+        for (i, pending) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            self.bufs[i] = pending.wait(dist)?;
+            flat.write_grads(self.buckets[i].elems.start, &self.bufs[i], 1.0);
+        }
+        Ok(())
+    }
 }
 
 /// Seeds libtorch's generator for one micro-batch's dropout.
@@ -206,22 +269,39 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
     // Model: the pretrained one with a head for these labels, or the checkpoint to resume.
     let source = resume_dir.as_deref().unwrap_or(&model_dir);
     let id2label = classification::id2label(&labels);
-    let pretrained = models::from_pretrained(
-        source,
-        Task::SequenceClassification,
-        |c| {
-            c.id2label = id2label;
-            c.problem_type = Some(if regression {
-                ProblemType::Regression
-            } else {
-                ProblemType::SingleLabel
-            });
-            Ok(())
-        },
-        config.runtime.seed as i64,
-    )?;
+    let adapt = |c: &mut models::EncoderConfig| {
+        c.id2label = id2label;
+        c.problem_type = Some(if regression {
+            ProblemType::Regression
+        } else {
+            ProblemType::SingleLabel
+        });
+        Ok(())
+    };
+    let random = config.model.random_init && resume_dir.is_none();
+    let pretrained = if random {
+        models::from_config(
+            source,
+            Task::SequenceClassification,
+            adapt,
+            config.runtime.seed as i64,
+        )?
+    } else {
+        models::from_pretrained(
+            source,
+            Task::SequenceClassification,
+            adapt,
+            config.runtime.seed as i64,
+        )?
+    };
     let (vs, model) = (pretrained.vs, pretrained.model);
-    if root {
+    if root && random {
+        tracing::warn!(
+            "{} randomly initialised from {} (model.random_init): no pretrained weights",
+            model.class_name(),
+            source.join("config.json").display()
+        );
+    } else if root {
         for line in pretrained.report.summary_lines(&model.class_name(), source) {
             tracing::warn!("{line}");
         }
@@ -232,7 +312,11 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
     }
 
     // Tokenize once, in parallel.
-    let tokenizer_json = source.join(hub::TOKENIZER_FILE);
+    let tokenizer_json = if config.model.tokenizer_file.is_empty() || resume_dir.is_some() {
+        source.join(hub::TOKENIZER_FILE)
+    } else {
+        PathBuf::from(&config.model.tokenizer_file)
+    };
     let tok = TextTokenizer::from_file(
         &tokenizer_json,
         model.config.pad_token_id,
@@ -299,10 +383,17 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         flat.write_params(&weights);
     }
     let buckets = flat.buckets((config.dist.bucket_mb * 1024.0 * 1024.0) as usize);
+    // A bucket is ready once backward has passed the stage of its last (deepest) parameter.
+    let bucket_stages: Vec<usize> = buckets
+        .iter()
+        .map(|b| model.backward_stage(&flat.slots[b.slots.end - 1].name))
+        .collect();
     let mut bucket_bufs: Vec<Vec<f32>> = buckets
         .iter()
-        .map(|r| Vec::with_capacity(r.len()))
+        .map(|b| Vec::with_capacity(b.elems.len()))
         .collect();
+    let distributed = dist.topo.world > 1;
+    let reduce_bf16 = config.dist.reduce_dtype == ReduceDtype::Bf16;
     let adam = AdamWConfig {
         beta1: tc.adam_beta1,
         beta2: tc.adam_beta2,
@@ -402,6 +493,12 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
             // gradient is their mean whatever the number of processes, tails included.
             let micro_in_step = global.len().div_ceil(plan.micro_batch) as f64;
             let (mut step_loss, mut step_tokens) = (0.0, 0usize);
+            let mut sync = GradSync::new(
+                &buckets,
+                &bucket_stages,
+                &mut bucket_bufs,
+                state.global_step + 1,
+            );
             for (m, indices) in micro.iter().enumerate() {
                 let t = Instant::now();
                 let refs: Vec<&Feature> = indices.iter().map(|&i| &train_features[i]).collect();
@@ -419,36 +516,38 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                     state.global_step,
                     micro_index,
                 ));
-                let output = model.forward(&inputs, true);
+                // The last micro-batch of a step, with several processes, runs backward stage
+                // by stage so each gradient bucket leaves as soon as it is complete.
+                let staged = distributed && m + 1 == micro.len();
+                let (output, boundaries) = if staged {
+                    model.forward_staged(&inputs, true)
+                } else {
+                    (model.forward(&inputs, true), Vec::new())
+                };
                 let loss = model.loss(&output, &labels)? / micro_in_step;
                 t_fwd += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 loss.backward();
+                if staged {
+                    sync.launch_ready(&flat, dist, 1, reduce_bf16)?;
+                    let layers = boundaries.len();
+                    for (k, b) in boundaries.iter().enumerate().rev() {
+                        (&b.below * b.leaf.grad()).sum(Kind::Float).backward();
+                        sync.launch_ready(&flat, dist, layers + 1 - k, reduce_bf16)?;
+                    }
+                }
                 step_loss += loss.double_value(&[]);
                 t_bwd += t.elapsed().as_secs_f64();
                 step_tokens += real_tokens;
             }
             let t = Instant::now();
-            flat.gather_grads();
-            t_opt += t.elapsed().as_secs_f64();
-            // Sum gradients across processes, bucket by bucket (last layers first).
-            let t = Instant::now();
-            if dist.topo.world > 1 {
-                for (range, buf) in buckets.iter().zip(bucket_bufs.iter_mut()) {
-                    flat.read_grads(range.clone(), buf);
-                    let sent = std::mem::take(buf);
-                    let what = format!(
-                        "gradient bucket {}..{} of step {}",
-                        range.start,
-                        range.end,
-                        state.global_step + 1
-                    );
-                    *buf = match config.dist.reduce_dtype {
-                        ReduceDtype::Fp32 => dist.allreduce_sum(&what, sent)?,
-                        ReduceDtype::Bf16 => dist.allreduce_sum_bf16(&what, sent)?,
-                    };
-                    flat.write_grads(range.start, buf, 1.0);
-                }
+            if distributed {
+                // Buckets not launched yet (a rank without a micro-batch in a short last step
+                // still takes part, with zeros); then wait for all and fill the flat gradient.
+                sync.launch_ready(&flat, dist, usize::MAX, reduce_bf16)?;
+                sync.finish(&flat, dist)?;
+            } else {
+                flat.gather_grads();
             }
             let totals =
                 dist.allreduce_sum_f64("step loss", vec![step_loss, step_tokens as f64])?;

@@ -115,6 +115,31 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         two.0
     );
 
+    // Many small buckets, each launched as soon as backward completes its layer: the very same
+    // sums, so the very same run.
+    let (cb, outb) = config(tmp.path(), &data, "small-buckets", 4, 1, 30);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"])
+        .arg(&cb)
+        .args(["--set", "dist.bucket_mb=0.01"]);
+    run_ok(cmd);
+    assert_eq!(losses(&outb), two.0, "bucketing changed the run");
+    // bf16 on the wire: the same run to bf16 rounding of the gradients.
+    let (cf, outf) = config(tmp.path(), &data, "bf16-wire", 4, 1, 30);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"])
+        .arg(&cf)
+        .args(["--set", "dist.reduce_dtype=bf16"]);
+    run_ok(cmd);
+    let bf = losses(&outf);
+    let worst = bf
+        .iter()
+        .zip(&two.0)
+        .map(|(a, b)| ((a - b) / b).abs())
+        .fold(0.0, f64::max);
+    eprintln!("bf16 reduction: per-step loss max relative difference {worst:e}");
+    assert!(worst > 0.0 && worst < 1e-2, "bf16 reduction: {worst}");
+
     for (name, batch, accum) in [("double-batch", 8, 1), ("accumulation", 4, 2)] {
         let (c1, out1) = config(tmp.path(), &data, name, batch, accum, 30);
         let mut cmd = Command::new(BIN);

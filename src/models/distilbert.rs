@@ -8,7 +8,7 @@ use super::hf_config::{Activation, EncoderConfig};
 use super::layers::{
     activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
 };
-use super::EncoderInputs;
+use super::{Boundary, EncoderInputs};
 
 /// `Embeddings`: word + position, LayerNorm, dropout (no token types).
 #[derive(Debug)]
@@ -161,9 +161,29 @@ impl DistilBertEncoder {
 
     /// Returns the last hidden state, (B, T, C). Token type ids are ignored, as in transformers.
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> Tensor {
+        self.forward_staged(inputs, train, None)
+    }
+
+    /// As `forward`; with `boundaries`, each layer's input is cut from the graph (a leaf that
+    /// requires grad) and recorded with the tensor it was cut from, so backward can run layer
+    /// by layer (see `TaskModel::forward_staged`).
+    pub fn forward_staged(
+        &self,
+        inputs: &EncoderInputs,
+        train: bool,
+        mut boundaries: Option<&mut Vec<Boundary>>,
+    ) -> Tensor {
         let mut x = self.embeddings.forward(&inputs.input_ids, train);
         let mask = key_mask(&inputs.attention_mask);
         for layer in &self.layers {
+            if let Some(b) = boundaries.as_deref_mut() {
+                let leaf = x.detach().set_requires_grad(true);
+                b.push(Boundary {
+                    leaf: leaf.shallow_clone(),
+                    below: x,
+                });
+                x = leaf;
+            }
             x = layer.forward(&x, &mask, train);
         }
         x

@@ -74,6 +74,14 @@ pub enum Labels {
     Tokens(Tensor),
 }
 
+/// A cut between two backward stages: `leaf` (a layer's input, cut from the graph) and
+/// `below`, the tensor it was cut from (the output of the stage underneath).
+#[derive(Debug)]
+pub struct Boundary {
+    pub leaf: Tensor,
+    pub below: Tensor,
+}
+
 /// A forward pass's results.
 #[derive(Debug)]
 pub struct ModelOutput {
@@ -322,13 +330,37 @@ impl TaskModel {
     }
 
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> ModelOutput {
+        self.forward_impl(inputs, train, None)
+    }
+
+    /// As `forward`, with the graph cut at every encoder layer's input, for backward by stages:
+    /// `loss.backward()` then yields the gradients of backward stages 0 and 1 (heads and the
+    /// last layer, see `backward_stage`), and for boundary k = L-1 down to 0,
+    /// `(below * leaf.grad()).sum().backward()` yields stage L + 1 - k — the same gradients as
+    /// one backward pass, available layer by layer.
+    pub fn forward_staged(
+        &self,
+        inputs: &EncoderInputs,
+        train: bool,
+    ) -> (ModelOutput, Vec<Boundary>) {
+        let mut boundaries = Vec::new();
+        let out = self.forward_impl(inputs, train, Some(&mut boundaries));
+        (out, boundaries)
+    }
+
+    fn forward_impl(
+        &self,
+        inputs: &EncoderInputs,
+        train: bool,
+        boundaries: Option<&mut Vec<Boundary>>,
+    ) -> ModelOutput {
         let (hidden, pooled) = match &self.backbone {
             Backbone::Bert { encoder, pooler } => {
-                let hidden = encoder.forward(inputs, train);
+                let hidden = encoder.forward_staged(inputs, train, boundaries);
                 let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
                 (hidden, pooled)
             }
-            Backbone::DistilBert(e) => (e.forward(inputs, train), None),
+            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries), None),
         };
         let logits = match &self.head {
             Head::None => hidden.shallow_clone(),
@@ -484,5 +516,28 @@ pub fn from_pretrained(
     let model = TaskModel::new(&vs.root(), config, task);
     let report = weights::load_checkpoint(&vs, &model, checkpoint)
         .with_context(|| format!("cannot load {} from {}", model.class_name(), dir.display()))?;
+    Ok(Pretrained { vs, model, report })
+}
+
+/// Builds `task`'s model from `dir`'s config.json alone, every parameter initialised as
+/// transformers' `_init_weights` does (seeded); the report lists them all as new.
+pub fn from_config(
+    dir: &std::path::Path,
+    task: Task,
+    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    seed: i64,
+) -> Result<Pretrained> {
+    let mut config = EncoderConfig::from_file(&dir.join(crate::hub::CONFIG_FILE))?;
+    adapt(&mut config)?;
+    tch::manual_seed(seed);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let model = TaskModel::new(&vs.root(), config, task);
+    let mut newly_initialised: Vec<String> = vs.variables().into_keys().collect();
+    newly_initialised.sort();
+    let report = weights::LoadReport {
+        loaded: 0,
+        unused: Vec::new(),
+        newly_initialised,
+    };
     Ok(Pretrained { vs, model, report })
 }
