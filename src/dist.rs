@@ -387,17 +387,24 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     ((bits.wrapping_add(rounding)) >> 16) as u16
 }
 
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn bf16_rounding_matches_torch() {
-        // torch.tensor([1.0, 1.00390625, 1.01171875, -3.14159]).bfloat16() bit patterns
+        // torch.tensor([1.0, 1.00390625, 1.01171875, -3.14159]).bfloat16() bit patterns; the
+        // middle two lie exactly halfway between bf16 neighbours.
         assert_eq!(f32_to_bf16(1.0), 0x3f80);
-        assert_eq!(f32_to_bf16(1.003_906_25), 0x3f80); // tie rounds to even
-        assert_eq!(f32_to_bf16(1.011_718_75), 0x3f82); // tie rounds to even (up)
-        assert_eq!(f32_to_bf16(-3.14159), 0xc049);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie rounds to even (down)
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie rounds to even (up)
+        assert_eq!(f32_to_bf16(f32::from_bits(0xc049_0fd0)), 0xc049);
     }
 
     #[test]
@@ -413,10 +420,4 @@ mod tests {
         assert_eq!(d.broadcast("t", vec![3.0]).unwrap(), vec![3.0]);
         d.check_same("config", &["a = 1".to_string()]).unwrap();
     }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into())
 }

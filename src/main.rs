@@ -154,7 +154,17 @@ fn run(cli: Cli) -> Result<()> {
         return train(&config, &cli.overrides, cli.resume.as_deref());
     };
     match command {
-        Command::Env => print!("{}", sysinfo::report()),
+        Command::Env => {
+            // Under mpirun every rank reports where its threads go; rank 0 the machine too.
+            let dist = sprtrain::dist::Dist::init(60.0)?;
+            let placement = sysinfo::place_threads(&dist.topo, 0, true)?;
+            tch::set_num_threads(placement.count as i32);
+            if dist.is_root() {
+                print!("{}", sysinfo::report());
+            }
+            let line = format!("placement        {}\n", placement.describe(&dist.topo));
+            std::io::Write::write_all(&mut std::io::stdout().lock(), line.as_bytes())?;
+        }
         Command::Predict(args) => {
             let n = predict::run(&args).context("predict")?;
             eprintln!("wrote {n} predictions to {}", args.output.display());

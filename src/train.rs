@@ -18,7 +18,7 @@ use tch::Kind;
 use crate::checkpoint::{self, ModelFiles, TrainerState};
 use crate::config::{Config, EvalStrategy, Precision, ReduceDtype, TaskName};
 use crate::data::batching::{self, BatchPlan, Feature};
-use crate::data::classification::{self, LabelKind};
+use crate::data::classification::{self, Example, LabelKind};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
 use crate::dist::{Dist, Pending};
 use crate::hub;
@@ -162,6 +162,27 @@ pub fn evaluate(
     Ok(m.into_iter()
         .map(|(k, v)| (format!("eval_{k}"), v))
         .collect())
+}
+
+/// Tokenizes `examples` with each process taking a contiguous 1/N share, then exchanges the
+/// token ids so every process holds them all, in order.
+fn tokenize_shared(
+    tok: &TextTokenizer,
+    examples: &[Example],
+    dist: &Dist,
+    what: &str,
+) -> Result<Vec<Feature>> {
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    if world == 1 {
+        return batching::tokenize(tok, examples);
+    }
+    let share = &examples[examples.len() * rank / world..examples.len() * (rank + 1) / world];
+    let mine = batching::encode_features(&batching::tokenize(tok, share)?);
+    let mut all = Vec::with_capacity(examples.len());
+    for bytes in dist.all_gather_bytes(&format!("tokenized {what} data"), mine)? {
+        all.extend(batching::decode_features(&bytes)?);
+    }
+    Ok(all)
 }
 
 /// Refuses to overwrite earlier checkpoints unless asked to.
@@ -323,8 +344,8 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         config.model.max_seq_len,
         Truncation::LongestFirst,
     )?;
-    let train_features = batching::tokenize(&tok, &train_examples)?;
-    let eval_features = batching::tokenize(&tok, &eval_examples)?;
+    let train_features = tokenize_shared(&tok, &train_examples, dist, "training")?;
+    let eval_features = tokenize_shared(&tok, &eval_examples, dist, "evaluation")?;
     eval_examples.clear();
     let lengths: Vec<usize> = train_features.iter().map(|f| f.input_ids.len()).collect();
     let pad_to = dc.pad_to_max_length.then_some(config.model.max_seq_len);
@@ -541,13 +562,16 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 step_tokens += real_tokens;
             }
             let t = Instant::now();
+            if !distributed {
+                flat.gather_grads();
+                t_opt += t.elapsed().as_secs_f64();
+            }
+            let t = Instant::now();
             if distributed {
                 // Buckets not launched yet (a rank without a micro-batch in a short last step
                 // still takes part, with zeros); then wait for all and fill the flat gradient.
                 sync.launch_ready(&flat, dist, usize::MAX, reduce_bf16)?;
                 sync.finish(&flat, dist)?;
-            } else {
-                flat.gather_grads();
             }
             let totals =
                 dist.allreduce_sum_f64("step loss", vec![step_loss, step_tokens as f64])?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::fixtures;
+use common::{fixtures, write_sentences, WORDS};
 use serde_json::Value;
 
 fn mpirun() -> Option<String> {
@@ -23,22 +23,25 @@ fn mpirun() -> Option<String> {
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
 
-/// 240 labelled sentences: 30 steps of 8 examples, no partial batch.
+/// 236 labelled sentences: 29 steps of 8 examples, then a short step of 4 that only rank 0
+/// has a micro-batch for (rank 1 takes part with zeros).
 fn write_data(dir: &Path) -> PathBuf {
-    let words = [
-        "the", "movie", "was", "a", "delight", "dull", "film", "paris", "city", "rained", "day",
-        "story",
-    ];
-    let mut text = String::from("sentence\tlabel\n");
-    for i in 0..240usize {
-        let n = 2 + (i * 7) % 13;
-        let s: Vec<&str> = (0..n)
-            .map(|j| words[(i * 5 + j * 3) % words.len()])
-            .collect();
-        text.push_str(&format!("{}\t{}\n", s.join(" "), (n + i / 7) % 2));
-    }
     let p = dir.join("train.tsv");
-    std::fs::write(&p, text).unwrap();
+    write_sentences(&p, 236, 13, |i, n| (n + i / 7) % 2);
+    // 41 evaluation rows: an odd count, so the two ranks' shards differ in size.
+    let eval: String = std::iter::once("sentence\tlabel".to_string())
+        .chain((0..41usize).map(|i| {
+            format!(
+                "{} {} {}\t{}",
+                WORDS[i % 12],
+                WORDS[(i * 7) % 12],
+                WORDS[(i * 5 + 1) % 12],
+                i % 2
+            )
+        }))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(dir.join("eval.tsv"), eval + "\n").unwrap();
     p
 }
 
@@ -54,12 +57,13 @@ fn config(
 ) -> (PathBuf, PathBuf) {
     let out = dir.join(name);
     let text = format!(
-        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n[data]\ntrain_file = \"{}\"\n\
+        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n[data]\ntrain_file = \"{}\"\neval_file = \"{}\"\n\
          [train]\noutput_dir = \"{}\"\nmax_steps = {steps}\nbatch_size = {batch}\ngradient_accumulation_steps = {accum}\n\
          learning_rate = 1e-3\nweight_decay = 0.01\nwarmup_steps = 3\nlogging_steps = 1\nsave_steps = 0\n\
          [eval]\nstrategy = \"no\"\n[runtime]\nprecision = \"fp32\"\nseed = 3\n",
         fixtures().join("train_parity").display(),
         data.display(),
+        data.with_file_name("eval.tsv").display(),
         out.display()
     );
     let path = dir.join(format!("{name}.toml"));
@@ -161,6 +165,19 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         }
         eprintln!("{name}: final weights max abs difference {wmax:e}");
         assert!(wmax <= 1e-5, "{name}: weights differ by {wmax}");
+        // Evaluation sharded over two ranks and gathered equals one rank's.
+        let results = |o: &Path| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(o.join("eval_results.json")).unwrap())
+                .unwrap()
+        };
+        let (e1, e2) = (results(&out1), results(&out2));
+        assert_eq!(e1["eval_accuracy"], e2["eval_accuracy"], "{e1} vs {e2}");
+        let dl = (e1["eval_loss"].as_f64().unwrap() - e2["eval_loss"].as_f64().unwrap()).abs();
+        eprintln!(
+            "{name}: eval accuracy {} on both, eval loss differs by {dl:e}",
+            e1["eval_accuracy"]
+        );
+        assert!(dl <= 1e-5);
     }
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixtures, sprtrain};
+use common::{fixtures, sprtrain, write_sentences};
 use serde_json::Value;
 
 /// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
@@ -15,20 +15,8 @@ fn tiny_model() -> PathBuf {
 
 /// 40 labelled sentences from the tiny tokenizer's vocabulary: label = length class.
 fn write_data(dir: &Path) -> PathBuf {
-    let words = [
-        "the", "movie", "was", "a", "delight", "dull", "film", "paris", "city", "rained", "day",
-        "story",
-    ];
-    let mut text = String::from("sentence\tlabel\n");
-    for i in 0..40usize {
-        let n = 2 + (i * 7) % 9;
-        let sentence: Vec<&str> = (0..n)
-            .map(|j| words[(i * 5 + j * 3) % words.len()])
-            .collect();
-        text.push_str(&format!("{}\t{}\n", sentence.join(" "), n % 3));
-    }
     let path = dir.join("train.tsv");
-    std::fs::write(&path, text).unwrap();
+    write_sentences(&path, 40, 9, |_, n| n % 3);
     path
 }
 

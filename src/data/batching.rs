@@ -41,6 +41,49 @@ pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature
         .collect())
 }
 
+/// Serialises features for exchange between processes: per feature, u32 length, the ids as
+/// u32, the type ids as u8, the label as f64 (little-endian).
+pub fn encode_features(features: &[Feature]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for f in features {
+        out.extend((f.input_ids.len() as u32).to_le_bytes());
+        for &id in &f.input_ids {
+            out.extend((id as u32).to_le_bytes());
+        }
+        out.extend(f.type_ids.iter().map(|&t| t as u8));
+        out.extend(f.label.to_le_bytes());
+    }
+    out
+}
+
+/// The inverse of [`encode_features`].
+pub fn decode_features(bytes: &[u8]) -> Result<Vec<Feature>> {
+    fn take<'a>(bytes: &'a [u8], at: &mut usize, n: usize) -> Result<&'a [u8]> {
+        let s = bytes
+            .get(*at..*at + n)
+            .ok_or_else(|| anyhow::anyhow!("truncated feature data"))?;
+        *at += n;
+        Ok(s)
+    }
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < bytes.len() {
+        let n = u32::from_le_bytes(take(bytes, &mut at, 4)?.try_into()?) as usize;
+        let input_ids = take(bytes, &mut at, 4 * n)?
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect();
+        let type_ids = take(bytes, &mut at, n)?.iter().map(|&t| t as i64).collect();
+        let label = f64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?);
+        out.push(Feature {
+            input_ids,
+            type_ids,
+            label,
+        });
+    }
+    Ok(out)
+}
+
 /// A seeded stream for one purpose, so data order never depends on other random draws.
 fn rng(seed: u64, stream: u64) -> ChaCha8Rng {
     let mut r = ChaCha8Rng::seed_from_u64(seed);
@@ -219,6 +262,33 @@ mod tests {
             pad(grouped),
             pad(plan(8, 1, 1))
         );
+    }
+
+    #[test]
+    fn features_survive_the_exchange_format() {
+        let f = vec![
+            Feature {
+                input_ids: vec![101, 2023, 30521, 102],
+                type_ids: vec![0, 0, 1, 1],
+                label: 2.0,
+            },
+            Feature {
+                input_ids: vec![0],
+                type_ids: vec![0],
+                label: -0.25,
+            },
+        ];
+        let back = decode_features(&encode_features(&f)).unwrap();
+        assert_eq!(
+            (
+                back[0].input_ids.clone(),
+                back[0].type_ids.clone(),
+                back[0].label
+            ),
+            (f[0].input_ids.clone(), f[0].type_ids.clone(), 2.0)
+        );
+        assert_eq!(back[1].label, -0.25);
+        assert!(decode_features(&encode_features(&f)[..10]).is_err());
     }
 
     #[test]

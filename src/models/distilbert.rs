@@ -8,7 +8,7 @@ use super::hf_config::{Activation, EncoderConfig};
 use super::layers::{
     activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
 };
-use super::{Boundary, EncoderInputs};
+use super::{run_stack, Boundary, EncoderInputs};
 
 /// `Embeddings`: word + position, LayerNorm, dropout (no token types).
 #[derive(Debug)]
@@ -171,21 +171,14 @@ impl DistilBertEncoder {
         &self,
         inputs: &EncoderInputs,
         train: bool,
-        mut boundaries: Option<&mut Vec<Boundary>>,
+        boundaries: Option<&mut Vec<Boundary>>,
     ) -> Tensor {
-        let mut x = self.embeddings.forward(&inputs.input_ids, train);
         let mask = key_mask(&inputs.attention_mask);
-        for layer in &self.layers {
-            if let Some(b) = boundaries.as_deref_mut() {
-                let leaf = x.detach().set_requires_grad(true);
-                b.push(Boundary {
-                    leaf: leaf.shallow_clone(),
-                    below: x,
-                });
-                x = leaf;
-            }
-            x = layer.forward(&x, &mask, train);
-        }
-        x
+        run_stack(
+            self.embeddings.forward(&inputs.input_ids, train),
+            &self.layers,
+            boundaries,
+            |layer, x| layer.forward(x, &mask, train),
+        )
     }
 }

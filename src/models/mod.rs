@@ -82,6 +82,28 @@ pub struct Boundary {
     pub below: Tensor,
 }
 
+/// Runs `layers` in order from `x`; with `boundaries`, cuts the graph at each layer's input
+/// (a leaf that requires grad) and records the cut, for backward by stages.
+fn run_stack<L>(
+    mut x: Tensor,
+    layers: &[L],
+    mut boundaries: Option<&mut Vec<Boundary>>,
+    forward: impl Fn(&L, &Tensor) -> Tensor,
+) -> Tensor {
+    for layer in layers {
+        if let Some(b) = boundaries.as_deref_mut() {
+            let leaf = x.detach().set_requires_grad(true);
+            b.push(Boundary {
+                leaf: leaf.shallow_clone(),
+                below: x,
+            });
+            x = leaf;
+        }
+        x = forward(layer, &x);
+    }
+    x
+}
+
 /// A forward pass's results.
 #[derive(Debug)]
 pub struct ModelOutput {

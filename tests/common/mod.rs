@@ -52,3 +52,28 @@ pub fn minilm_dir() -> Option<PathBuf> {
         dir.join("model.safetensors").is_file().then_some(dir)
     })
 }
+
+/// Words of the tiny fixture tokenizers' vocabulary.
+pub const WORDS: [&str; 12] = [
+    "the", "movie", "was", "a", "delight", "dull", "film", "paris", "city", "rained", "day",
+    "story",
+];
+
+/// A TSV (`sentence<TAB>label`) of `rows` deterministic sentences over [`WORDS`]: row i has
+/// `2 + (i * 7) % spread` words, and the label `label(i, words)`.
+pub fn write_sentences(
+    path: &Path,
+    rows: usize,
+    spread: usize,
+    label: impl Fn(usize, usize) -> usize,
+) {
+    let mut text = String::from("sentence\tlabel\n");
+    for i in 0..rows {
+        let n = 2 + (i * 7) % spread;
+        let s: Vec<&str> = (0..n)
+            .map(|j| WORDS[(i * 5 + j * 3) % WORDS.len()])
+            .collect();
+        text.push_str(&format!("{}\t{}\n", s.join(" "), label(i, n)));
+    }
+    std::fs::write(path, text).unwrap();
+}
