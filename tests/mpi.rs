@@ -261,6 +261,58 @@ fn killing_a_rank_ends_the_job() {
     assert!(rank_pid(&c, 0).is_none(), "rank 0 is still running");
 }
 
+/// A rank that stops answering (SIGSTOP, as a hung node would): rank 0 reports the collective
+/// it waited for past `dist.collective_timeout_s`, and the job ends non-zero.
+#[test]
+fn a_hung_rank_trips_the_collective_timeout() {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let (c, out) = config(tmp.path(), &data, "hung", 4, 1, 1_000_000);
+    let mut job = Command::new(&mpirun)
+        .args(["-n", "2", BIN, "--config"])
+        .arg(&c)
+        .args(["--set", "dist.collective_timeout_s=3"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while losses_len(&out) < 3 {
+        assert!(Instant::now() < deadline, "training never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let victim = rank_pid(&c, 1).expect("rank 1's process");
+    let stopped = Instant::now();
+    unsafe { libc::kill(victim, libc::SIGSTOP) };
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if stopped.elapsed() > Duration::from_secs(30) {
+            unsafe { libc::kill(victim, libc::SIGKILL) };
+            let _ = job.kill();
+            panic!("the job did not end 30 s after rank 1 hung");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    unsafe { libc::kill(victim, libc::SIGKILL) };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut stderr).unwrap();
+    eprintln!(
+        "job ended {:?} after rank 1 hung, status {status}",
+        stopped.elapsed()
+    );
+    assert!(!status.success());
+    assert!(
+        stderr.contains("sprtrain: rank 0: error: collective")
+            && stderr.contains("did not finish within 3 s"),
+        "{stderr}"
+    );
+}
+
 fn losses_len(out: &Path) -> usize {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .map(|s| s.lines().count())
