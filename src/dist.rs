@@ -44,9 +44,16 @@ pub struct Topology {
     pub host: String,
 }
 
+/// Where a sum lands: `len` f32s at `addr`, memory the caller leaves alone until the reply.
+struct Destination {
+    addr: usize,
+    len: usize,
+}
+
 enum Job {
     AllreduceF32(Vec<f32>, Sender<Vec<f32>>),
-    AllreduceBf16(Vec<f32>, Sender<Vec<f32>>),
+    /// Sum into `Destination`; the send buffer comes back for reuse.
+    AllreduceInto(Vec<f32>, Destination, bool, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
     BroadcastF32(Vec<f32>, Sender<Vec<f32>>),
     AllGatherBytes(Vec<u8>, Sender<Vec<Vec<u8>>>),
@@ -104,17 +111,23 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
                 world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
                 let _ = reply.send(recv);
             }
-            Job::AllreduceBf16(mut buf, reply) => {
-                // bf16 on the wire, summed in fp32 in rank order: the same result everywhere.
-                let wire: Vec<u16> = buf.iter().map(|&x| f32_to_bf16(x)).collect();
-                let all = all_gather_varcount(&world, &wire);
-                buf.iter_mut().for_each(|x| *x = 0.0);
-                for part in &all {
-                    for (s, &h) in buf.iter_mut().zip(part) {
-                        *s += f32::from_bits((h as u32) << 16);
+            Job::AllreduceInto(send, dst, bf16, reply) => {
+                // SAFETY: the requester owns this memory and does not touch it until it gets
+                // the reply (see `Dist::start_allreduce_into`).
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
+                if bf16 {
+                    // bf16 on the wire, summed in fp32 in rank order: the same result everywhere.
+                    let wire: Vec<u16> = send.iter().map(|&x| f32_to_bf16(x)).collect();
+                    out.iter_mut().for_each(|x| *x = 0.0);
+                    for part in &all_gather_varcount(&world, &wire) {
+                        for (s, &h) in out.iter_mut().zip(part) {
+                            *s += f32::from_bits((h as u32) << 16);
+                        }
                     }
+                } else {
+                    world.all_reduce_into(&send[..], out, SystemOperation::sum());
                 }
-                let _ = reply.send(buf);
+                let _ = reply.send(send);
             }
             Job::AllreduceF64(send, reply) => {
                 let mut recv = vec![0f64; send.len()];
@@ -279,27 +292,37 @@ impl Dist {
         self.call(what, |tx| Job::BroadcastF32(buf, tx))
     }
 
-    /// Starts an element-wise sum of `buf` over all ranks and returns at once; the MPI thread
+    /// Starts summing `send` over all ranks into `dst` and returns at once; the MPI thread
     /// works through started sums in order while the caller computes. `bf16` puts bf16 on the
-    /// wire (half the traffic), summed in fp32.
-    pub fn start_allreduce(&self, what: String, buf: Vec<f32>, bf16: bool) -> Result<Pending> {
+    /// wire (half the traffic), summed in fp32. `Pending::wait` gives the send buffer back.
+    ///
+    /// # Safety
+    /// `dst` must stay valid, and be neither read nor written by anyone else, until `wait`
+    /// on the returned `Pending` has returned.
+    pub unsafe fn start_allreduce_into(
+        &self,
+        what: String,
+        send: Vec<f32>,
+        dst: &mut [f32],
+        bf16: bool,
+    ) -> Result<Pending> {
         if self.topo.world == 1 {
+            dst.copy_from_slice(&send);
             return Ok(Pending {
                 what,
                 reply: None,
-                ready: Some(buf),
+                ready: Some(send),
             });
         }
         let Some(jobs) = &self.jobs else {
             bail!("no MPI world")
         };
         let (tx, rx) = channel();
-        let job = if bf16 {
-            Job::AllreduceBf16(buf, tx)
-        } else {
-            Job::AllreduceF32(buf, tx)
+        let dst = Destination {
+            addr: dst.as_mut_ptr() as usize,
+            len: dst.len(),
         };
-        jobs.send(job)
+        jobs.send(Job::AllreduceInto(send, dst, bf16, tx))
             .map_err(|_| anyhow!("rank {}: the MPI thread has stopped", self.topo.rank))?;
         Ok(Pending {
             what,

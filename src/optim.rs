@@ -141,13 +141,14 @@ impl FlatParams {
         tch::no_grad(|| p.copy_(&Tensor::from_slice(values)));
     }
 
-    /// Writes `values * scale` into `range` of the flat gradient.
-    pub fn write_grads(&self, start: usize, values: &[f32], scale: f32) {
-        // SAFETY: as in `read_grads`; the range lies inside the buffer.
-        let all = unsafe { f32_slice_mut(&self.grads, self.numel() as usize) };
-        for (dst, &v) in all[start..start + values.len()].iter_mut().zip(values) {
-            *dst = v * scale;
-        }
+    /// A range of the flat gradient as a mutable slice, for reductions to write into.
+    ///
+    /// # Safety
+    /// No other slice of the same range may be alive, and no libtorch op may use `grads`,
+    /// while the returned slice is in use.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn grads_mut(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        &mut f32_slice_mut(&self.grads, self.numel() as usize)[range]
     }
 
     pub fn numel(&self) -> i64 {

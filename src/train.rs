@@ -86,20 +86,21 @@ impl<'a> GradSync<'a> {
                 "gradient bucket {i} (elements {}..{}) of step {}",
                 b.elems.start, b.elems.end, self.step
             );
-            self.pending.push(dist.start_allreduce(
-                what,
-                std::mem::take(&mut self.bufs[i]),
-                bf16,
-            )?);
+            let send = std::mem::take(&mut self.bufs[i]);
+            // SAFETY: this range of the flat gradient is touched by nothing but the sum until
+            // `finish` has waited for it; buckets are disjoint.
+            let pending = unsafe {
+                dist.start_allreduce_into(what, send, flat.grads_mut(b.elems.clone()), bf16)?
+            };
+            self.pending.push(pending);
         }
         Ok(())
     }
 
-    /// Waits for every bucket and writes the sums into the flat gradient.
-    fn finish(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+    /// Waits for every bucket's sum (they land in the flat gradient).
+    fn finish(&mut self, dist: &Dist) -> Result<()> {
         for (i, pending) in std::mem::take(&mut self.pending).into_iter().enumerate() {
             self.bufs[i] = pending.wait(dist)?;
-            flat.write_grads(self.buckets[i].elems.start, &self.bufs[i], 1.0);
         }
         Ok(())
     }
@@ -571,7 +572,7 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 // Buckets not launched yet (a rank without a micro-batch in a short last step
                 // still takes part, with zeros); then wait for all and fill the flat gradient.
                 sync.launch_ready(&flat, dist, usize::MAX, reduce_bf16)?;
-                sync.finish(&flat, dist)?;
+                sync.finish(dist)?;
             }
             let totals =
                 dist.allreduce_sum_f64("step loss", vec![step_loss, step_tokens as f64])?;
