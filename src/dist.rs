@@ -51,7 +51,6 @@ struct Destination {
 }
 
 enum Job {
-    AllreduceF32(Vec<f32>, Sender<Vec<f32>>),
     /// Sum into `Destination`; the send buffer comes back for reuse.
     AllreduceInto(Vec<f32>, Destination, bool, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
@@ -106,11 +105,6 @@ fn launched_by_mpi() -> bool {
 fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
     for job in jobs {
         match job {
-            Job::AllreduceF32(send, reply) => {
-                let mut recv = vec![0f32; send.len()];
-                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
-                let _ = reply.send(recv);
-            }
             Job::AllreduceInto(send, dst, bf16, reply) => {
                 // SAFETY: the requester owns this memory and does not touch it until it gets
                 // the reply (see `Dist::start_allreduce_into`).
@@ -266,14 +260,6 @@ impl Dist {
         // The MPI thread is stuck inside the collective: leave without it. The launcher sees a
         // failed process and stops the others.
         std::process::exit(3);
-    }
-
-    /// Element-wise sum over all ranks.
-    pub fn allreduce_sum(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
-        if self.topo.world == 1 {
-            return Ok(buf);
-        }
-        self.call(what, |tx| Job::AllreduceF32(buf, tx))
     }
 
     /// Element-wise sum of small f64 statistics (losses, counts).
@@ -437,7 +423,7 @@ mod tests {
             return; // under a launcher this test has nothing to say
         }
         assert_eq!(
-            d.allreduce_sum("t", vec![1.0, 2.0]).unwrap(),
+            d.allreduce_sum_f64("t", vec![1.0, 2.0]).unwrap(),
             vec![1.0, 2.0]
         );
         assert_eq!(d.broadcast("t", vec![3.0]).unwrap(), vec![3.0]);
