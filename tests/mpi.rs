@@ -218,6 +218,52 @@ fn mismatched_configs_stop_every_rank() {
     assert!(stderr.contains(want), "{stderr}");
 }
 
+/// Starts a long 2-rank run, waits until it trains (its metrics log grows), sends `signal`
+/// to rank 1 and waits, at most 30 s, for the whole job to end. Returns its exit status, the
+/// time it took after the signal, and its stderr.
+fn signal_rank_1(
+    mpirun: &str,
+    name: &str,
+    extra: &[&str],
+    signal: i32,
+) -> (std::process::ExitStatus, Duration, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let (c, out) = config(tmp.path(), &data, name, 4, 1, 1_000_000);
+    let mut job = Command::new(mpirun)
+        .args(["-n", "2", BIN, "--config"])
+        .arg(&c)
+        .args(extra)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while losses_len(&out) < 3 {
+        assert!(Instant::now() < deadline, "training never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let victim = rank_pid(&c, 1).expect("rank 1's process");
+    let sent = Instant::now();
+    unsafe { libc::kill(victim, signal) };
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if sent.elapsed() > Duration::from_secs(30) {
+            unsafe { libc::kill(victim, libc::SIGKILL) };
+            let _ = job.kill();
+            panic!("the job outlived the signal to rank 1 by 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = sent.elapsed();
+    unsafe { libc::kill(victim, libc::SIGKILL) }; // a stopped rank may linger
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(rank_pid(&c, 0).is_none(), "rank 0 is still running");
+    (status, took, stderr)
+}
+
 /// `kill -9` of rank 1 mid-run: the job ends, non-zero, within 30 s.
 #[test]
 fn killing_a_rank_ends_the_job() {
@@ -225,40 +271,9 @@ fn killing_a_rank_ends_the_job() {
         eprintln!("skipped: no mpirun on PATH");
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let data = write_data(tmp.path());
-    let (c, out) = config(tmp.path(), &data, "victim", 4, 1, 1_000_000);
-    let mut job = Command::new(&mpirun)
-        .args(["-n", "2", BIN, "--config"])
-        .arg(&c)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // Wait until training runs (the metrics log grows), then kill rank 1.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while losses_len(&out) < 3 {
-        assert!(Instant::now() < deadline, "training never started");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let victim = rank_pid(&c, 1).expect("rank 1's process");
-    let killed = Instant::now();
-    unsafe { libc::kill(victim, libc::SIGKILL) };
-    let status = loop {
-        if let Some(s) = job.try_wait().unwrap() {
-            break s;
-        }
-        if killed.elapsed() > Duration::from_secs(30) {
-            let _ = job.kill();
-            panic!("the job outlived rank 1 by 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    eprintln!(
-        "job ended {:?} after rank 1 was killed, status {status}",
-        killed.elapsed()
-    );
+    let (status, took, _) = signal_rank_1(&mpirun, "victim", &[], libc::SIGKILL);
+    eprintln!("job ended {took:?} after rank 1 was killed, status {status}");
     assert!(!status.success());
-    assert!(rank_pid(&c, 0).is_none(), "rank 0 is still running");
 }
 
 /// A rank that stops answering (SIGSTOP, as a hung node would): rank 0 reports the collective
@@ -269,42 +284,13 @@ fn a_hung_rank_trips_the_collective_timeout() {
         eprintln!("skipped: no mpirun on PATH");
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let data = write_data(tmp.path());
-    let (c, out) = config(tmp.path(), &data, "hung", 4, 1, 1_000_000);
-    let mut job = Command::new(&mpirun)
-        .args(["-n", "2", BIN, "--config"])
-        .arg(&c)
-        .args(["--set", "dist.collective_timeout_s=3"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while losses_len(&out) < 3 {
-        assert!(Instant::now() < deadline, "training never started");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let victim = rank_pid(&c, 1).expect("rank 1's process");
-    let stopped = Instant::now();
-    unsafe { libc::kill(victim, libc::SIGSTOP) };
-    let status = loop {
-        if let Some(s) = job.try_wait().unwrap() {
-            break s;
-        }
-        if stopped.elapsed() > Duration::from_secs(30) {
-            unsafe { libc::kill(victim, libc::SIGKILL) };
-            let _ = job.kill();
-            panic!("the job did not end 30 s after rank 1 hung");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    unsafe { libc::kill(victim, libc::SIGKILL) };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut stderr).unwrap();
-    eprintln!(
-        "job ended {:?} after rank 1 hung, status {status}",
-        stopped.elapsed()
+    let (status, took, stderr) = signal_rank_1(
+        &mpirun,
+        "hung",
+        &["--set", "dist.collective_timeout_s=3"],
+        libc::SIGSTOP,
     );
+    eprintln!("job ended {took:?} after rank 1 hung, status {status}");
     assert!(!status.success());
     assert!(
         stderr.contains("sprtrain: rank 0: error: collective")
