@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
 
-use crate::models::weights::{INDEX_FILE, SINGLE_FILE};
+use std::collections::BTreeSet;
+
+use crate::models::weights::{read_index, INDEX_FILE, SINGLE_FILE};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -57,21 +59,9 @@ pub fn resolve_model_dir(spec: &str, revision: &str) -> Result<PathBuf> {
     }
 }
 
-fn weight_files_from_index(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index)
-        .with_context(|| format!("cannot read {}", index.display()))?;
-    let parsed: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", index.display()))?;
-    let mut shards: Vec<String> = parsed
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .with_context(|| format!("{} has no \"weight_map\" object", index.display()))?
-        .values()
-        .filter_map(|v| v.as_str().map(str::to_string))
-        .collect();
-    shards.sort();
-    shards.dedup();
-    Ok(shards)
+/// The distinct shard files a sharded checkpoint's index names.
+fn weight_files_from_index(index: &Path) -> Result<BTreeSet<String>> {
+    Ok(read_index(index)?.into_values().collect())
 }
 
 fn from_cache(spec: &str, revision: &str, repo: &Repo, cache: &Cache) -> Result<PathBuf> {

@@ -65,32 +65,10 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
     };
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
     let adapt = |c: &mut models::EncoderConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
-    let seed = config.runtime.seed as i64;
-    let pretrained = if config.model.random_init {
-        models::from_config(&dir, task, adapt, seed)?
-    } else {
-        models::from_pretrained(&dir, task, adapt, seed)?
-    };
+    let (pretrained, tokenizer) =
+        sprtrain::train::load_model(&config, &dir, task, adapt, true, true)?;
     let class = pretrained.model.class_name();
-    if !config.model.random_init {
-        for line in pretrained.report.summary_lines(&class, &dir) {
-            tracing::warn!("{line}");
-        }
-    }
     let c = &pretrained.model.config;
-    let usable = predict::usable_positions(c);
-    if config.model.max_seq_len > usable {
-        anyhow::bail!(
-            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
-            config.model.max_seq_len,
-            c.max_position_embeddings
-        );
-    }
-    let tokenizer = if config.model.tokenizer_file.is_empty() {
-        dir.join(hub::TOKENIZER_FILE)
-    } else {
-        PathBuf::from(&config.model.tokenizer_file)
-    };
     sprtrain::data::tokenizer::TextTokenizer::from_file(
         &tokenizer,
         c.pad_token_id,

@@ -8,7 +8,8 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
-use crate::data::tokenizer::{collate, TextTokenizer, Truncation};
+use crate::data::batching::{collate, Feature};
+use crate::data::tokenizer::{TextTokenizer, Truncation};
 use crate::hub;
 use crate::models::{self, ProblemType, Task};
 
@@ -181,16 +182,6 @@ fn qa_record(start: Vec<f32>, end: Vec<f32>, enc: &tokenizers::Encoding, context
     rec
 }
 
-/// Longest input the position embeddings allow. RoBERTa's positions start after the padding
-/// index, so it fits `pad_token_id + 1` fewer tokens than it has positions.
-pub fn usable_positions(config: &models::EncoderConfig) -> usize {
-    let positions = config.max_position_embeddings as usize;
-    match config.arch {
-        models::Arch::Roberta => positions.saturating_sub(config.pad_token_id as usize + 1),
-        _ => positions,
-    }
-}
-
 /// Runs the command; returns the number of examples written.
 pub fn run(args: &PredictArgs) -> Result<usize> {
     if args.batch_size == 0 {
@@ -212,7 +203,7 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
     for line in pretrained.report.summary_lines(&model.class_name(), &dir) {
         tracing::warn!("{line}");
     }
-    let usable = usable_positions(&model.config);
+    let usable = model.config.max_input_tokens();
     let max_len = args.max_seq_len.unwrap_or(usable);
     if max_len > usable {
         bail!(
@@ -241,7 +232,15 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
             .map(|e| (e.first.clone(), e.second.clone()))
             .collect();
         let encodings = tokenizer.encode_batch(&texts)?;
-        let inputs = collate(&encodings, tokenizer.pad_id())?;
+        let features: Vec<Feature> = encodings
+            .iter()
+            .map(|e| Feature::from_encoding(e, 0.0))
+            .collect();
+        let (inputs, _, _) = collate(
+            &features.iter().collect::<Vec<_>>(),
+            tokenizer.pad_id(),
+            None,
+        );
         let output = tch::no_grad(|| model.forward(&inputs, false));
         for (row, (ex, enc)) in chunk.iter().zip(&encodings).enumerate() {
             let real = enc.len() as i64;

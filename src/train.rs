@@ -114,6 +114,15 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
         & 0x7fff_ffff_ffff_ffff) as i64
 }
 
+/// A batch's (B) float labels as regression targets or class ids.
+fn classification_labels(y: tch::Tensor, regression: bool) -> Labels {
+    if regression {
+        Labels::Values(y)
+    } else {
+        Labels::Classes(y.to_kind(Kind::Int64))
+    }
+}
+
 /// Evaluates on `features`, each process a contiguous shard, results gathered: mean loss and
 /// the task's metrics, keys prefixed `eval_`, the same on every process.
 pub fn evaluate(
@@ -132,11 +141,7 @@ pub fn evaluate(
         let refs: Vec<&Feature> = chunk.iter().collect();
         let (inputs, y, _) = batching::collate(&refs, pad_id, pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
-        let labels = if regression {
-            Labels::Values(y.shallow_clone())
-        } else {
-            Labels::Classes(y.to_kind(Kind::Int64))
-        };
+        let labels = classification_labels(y, regression);
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * chunk.len() as f64;
         // A regression score, or the predicted class id (exact in f32).
         let out = if regression {
@@ -184,6 +189,53 @@ fn tokenize_shared(
         all.extend(batching::decode_features(&bytes)?);
     }
     Ok(all)
+}
+
+/// The run's model from `dir` as `config.model` describes it, and its tokenizer.json. A
+/// `fresh` run honours `model.random_init` and `model.tokenizer_file`; a resumed one takes
+/// both from its checkpoint. With `report`, says what the load did; checks `max_seq_len`.
+pub fn load_model(
+    config: &Config,
+    dir: &Path,
+    task: Task,
+    adapt: impl FnOnce(&mut models::EncoderConfig) -> Result<()>,
+    fresh: bool,
+    report: bool,
+) -> Result<(models::Pretrained, PathBuf)> {
+    let seed = config.runtime.seed as i64;
+    let random = fresh && config.model.random_init;
+    let loaded = if random {
+        models::from_config(dir, task, adapt, seed)?
+    } else {
+        models::from_pretrained(dir, task, adapt, seed)?
+    };
+    let class = loaded.model.class_name();
+    if report && random {
+        let config_json = dir.join(hub::CONFIG_FILE);
+        tracing::warn!(
+            "{class} randomly initialised from {} (model.random_init): no pretrained weights",
+            config_json.display()
+        );
+    } else if report {
+        for line in loaded.report.summary_lines(&class, dir) {
+            tracing::warn!("{line}");
+        }
+    }
+    let c = &loaded.model.config;
+    let usable = c.max_input_tokens();
+    if config.model.max_seq_len > usable {
+        bail!(
+            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
+            config.model.max_seq_len,
+            c.max_position_embeddings
+        );
+    }
+    let tokenizer = if fresh && !config.model.tokenizer_file.is_empty() {
+        PathBuf::from(&config.model.tokenizer_file)
+    } else {
+        dir.join(hub::TOKENIZER_FILE)
+    };
+    Ok((loaded, tokenizer))
 }
 
 /// Refuses to overwrite earlier checkpoints unless asked to.
@@ -300,45 +352,17 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         });
         Ok(())
     };
-    let random = config.model.random_init && resume_dir.is_none();
-    let pretrained = if random {
-        models::from_config(
-            source,
-            Task::SequenceClassification,
-            adapt,
-            config.runtime.seed as i64,
-        )?
-    } else {
-        models::from_pretrained(
-            source,
-            Task::SequenceClassification,
-            adapt,
-            config.runtime.seed as i64,
-        )?
-    };
+    let (pretrained, tokenizer_json) = load_model(
+        config,
+        source,
+        Task::SequenceClassification,
+        adapt,
+        resume_dir.is_none(),
+        root,
+    )?;
     let (vs, model) = (pretrained.vs, pretrained.model);
-    if root && random {
-        tracing::warn!(
-            "{} randomly initialised from {} (model.random_init): no pretrained weights",
-            model.class_name(),
-            source.join("config.json").display()
-        );
-    } else if root {
-        for line in pretrained.report.summary_lines(&model.class_name(), source) {
-            tracing::warn!("{line}");
-        }
-    }
-    let usable = crate::predict::usable_positions(&model.config);
-    if config.model.max_seq_len > usable {
-        bail!("model.max_seq_len {} exceeds the {usable} tokens the model's position embeddings allow", config.model.max_seq_len);
-    }
 
     // Tokenize once, in parallel.
-    let tokenizer_json = if config.model.tokenizer_file.is_empty() || resume_dir.is_some() {
-        source.join(hub::TOKENIZER_FILE)
-    } else {
-        PathBuf::from(&config.model.tokenizer_file)
-    };
     let tok = TextTokenizer::from_file(
         &tokenizer_json,
         model.config.pad_token_id,
@@ -525,11 +549,7 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 let t = Instant::now();
                 let refs: Vec<&Feature> = indices.iter().map(|&i| &train_features[i]).collect();
                 let (inputs, y, real_tokens) = batching::collate(&refs, pad_id, pad_to);
-                let labels = if regression {
-                    Labels::Values(y)
-                } else {
-                    Labels::Classes(y.to_kind(Kind::Int64))
-                };
+                let labels = classification_labels(y, regression);
                 t_data += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 let micro_index = dist.topo.rank * plan.accumulation + m;

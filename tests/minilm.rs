@@ -6,7 +6,8 @@
 mod common;
 
 use common::{fixtures, max_abs_diff, minilm_dir, reference};
-use sprtrain::data::tokenizer::{collate, TextTokenizer, Truncation};
+use sprtrain::data::batching::{collate, Feature};
+use sprtrain::data::tokenizer::{TextTokenizer, Truncation};
 use sprtrain::models::{from_pretrained, Task};
 
 #[test]
@@ -29,7 +30,13 @@ fn minilm_matches_transformers() {
     )
     .unwrap();
     let texts: Vec<(String, Option<String>)> = sentences.into_iter().map(|s| (s, None)).collect();
-    let inputs = collate(&tok.encode_batch(&texts).unwrap(), tok.pad_id()).unwrap();
+    let features: Vec<Feature> = tok
+        .encode_batch(&texts)
+        .unwrap()
+        .iter()
+        .map(|e| Feature::from_encoding(e, 0.0))
+        .collect();
+    let (inputs, _, _) = collate(&features.iter().collect::<Vec<_>>(), tok.pad_id(), None);
     for (got, key) in [
         (&inputs.input_ids, "input_ids"),
         (&inputs.attention_mask, "attention_mask"),

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use common::{fixtures, sprtrain, write_sentences};
 use serde_json::Value;
+use sprtrain::data::batching::{collate, Feature};
 
 /// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
 fn tiny_model() -> PathBuf {
@@ -158,7 +159,13 @@ fn checkpoint_loads_in_transformers() {
     .iter()
     .map(|t| (t.to_string(), None))
     .collect();
-    let inputs = sprtrain::data::tokenizer::collate(&tok.encode_batch(&texts).unwrap(), 0).unwrap();
+    let features: Vec<Feature> = tok
+        .encode_batch(&texts)
+        .unwrap()
+        .iter()
+        .map(|e| Feature::from_encoding(e, 0.0))
+        .collect();
+    let (inputs, _, _) = collate(&features.iter().collect::<Vec<_>>(), 0, None);
     let p = sprtrain::models::from_pretrained(
         &ckpt,
         sprtrain::models::Task::SequenceClassification,

@@ -23,6 +23,17 @@ pub struct Feature {
     pub label: f64,
 }
 
+impl Feature {
+    /// The ids and token types of one encoding, with `label`.
+    pub fn from_encoding(enc: &tokenizers::Encoding, label: f64) -> Self {
+        Feature {
+            input_ids: enc.get_ids().iter().map(|&i| i as i64).collect(),
+            type_ids: enc.get_type_ids().iter().map(|&i| i as i64).collect(),
+            label,
+        }
+    }
+}
+
 /// Tokenizes all examples (in parallel, inside the tokenizers crate).
 pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature>> {
     let texts: Vec<(String, Option<String>)> = examples
@@ -33,11 +44,7 @@ pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature
     Ok(encodings
         .iter()
         .zip(examples)
-        .map(|(enc, ex)| Feature {
-            input_ids: enc.get_ids().iter().map(|&i| i as i64).collect(),
-            type_ids: enc.get_type_ids().iter().map(|&i| i as i64).collect(),
-            label: ex.label,
-        })
+        .map(|(enc, ex)| Feature::from_encoding(enc, ex.label))
         .collect())
 }
 
@@ -96,12 +103,11 @@ pub fn holdout_split(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usi
     let mut idx: Vec<usize> = (0..n).collect();
     idx.shuffle(&mut rng(seed, 1));
     let held = ((n as f64) * fraction).round() as usize;
-    let eval = idx[..held].to_vec();
-    let mut train = idx[held..].to_vec();
+    // The first `held` of the shuffled order are held out.
+    let mut train = idx.split_off(held.min(n));
     train.sort_unstable();
-    let mut eval = eval;
-    eval.sort_unstable();
-    (train, eval)
+    idx.sort_unstable();
+    (train, idx)
 }
 
 /// How examples become global batches.

@@ -8,7 +8,9 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
-use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+use tokenizers::Tokenizer;
+
+use super::tokenizer::{load_tokenizer, Truncation};
 
 /// One question about one context.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,19 +117,7 @@ pub struct QaFeature {
 
 /// A tokenizer set up as run_qa.py sets it: context-only truncation with overflowing windows.
 pub fn qa_tokenizer(path: &Path, max_seq_len: usize, doc_stride: usize) -> Result<Tokenizer> {
-    let mut tok = Tokenizer::from_file(path)
-        .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
-    tok.with_padding(None);
-    tok.with_truncation(Some(TruncationParams {
-        direction: TruncationDirection::Right,
-        max_length: max_seq_len,
-        strategy: TruncationStrategy::OnlySecond,
-        stride: doc_stride,
-    }))
-    .map_err(|e| {
-        anyhow!("cannot set up windows of {max_seq_len} tokens with stride {doc_stride}: {e}")
-    })?;
-    Ok(tok)
+    load_tokenizer(path, max_seq_len, Truncation::OnlySecond, doc_stride)
 }
 
 /// Builds every window of every example, with run_qa.py's labels.

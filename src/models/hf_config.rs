@@ -150,8 +150,14 @@ impl EncoderConfig {
         self.id2label.len()
     }
 
-    pub fn head_dim(&self) -> i64 {
-        self.hidden_size / self.num_heads
+    /// Longest input the position embeddings allow. RoBERTa's positions start after the
+    /// padding index, so it fits `pad_token_id + 1` fewer tokens than it has positions.
+    pub fn max_input_tokens(&self) -> usize {
+        let positions = self.max_position_embeddings as usize;
+        match self.arch {
+            Arch::Roberta => positions.saturating_sub(self.pad_token_id as usize + 1),
+            _ => positions,
+        }
     }
 
     /// The problem type a classification head trains for.

@@ -512,16 +512,14 @@ pub struct Pretrained {
     pub report: weights::LoadReport,
 }
 
-/// Builds `task`'s model from `dir` (config.json + safetensors), like transformers'
-/// `AutoModelFor*.from_pretrained`. `adapt` may change the config first (labels of a new
-/// head, problem type). New heads are initialised from `seed`.
-pub fn from_pretrained(
+/// Reads `dir`'s config.json, lets `adapt` change it, and creates the model's variables,
+/// initialised as transformers initialises them (seeded).
+fn build(
     dir: &std::path::Path,
     task: Task,
     adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
-) -> Result<Pretrained> {
-    use anyhow::Context;
+) -> Result<(nn::VarStore, TaskModel)> {
     let config_path = dir.join(crate::hub::CONFIG_FILE);
     if !config_path.is_file() {
         bail!(
@@ -532,10 +530,24 @@ pub fn from_pretrained(
     }
     let mut config = EncoderConfig::from_file(&config_path)?;
     adapt(&mut config)?;
-    let checkpoint = weights::read_checkpoint(dir)?;
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = TaskModel::new(&vs.root(), config, task);
+    Ok((vs, model))
+}
+
+/// Builds `task`'s model from `dir` (config.json + safetensors), like transformers'
+/// `AutoModelFor*.from_pretrained`. `adapt` may change the config first (labels of a new
+/// head, problem type). New heads are initialised from `seed`.
+pub fn from_pretrained(
+    dir: &std::path::Path,
+    task: Task,
+    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    seed: i64,
+) -> Result<Pretrained> {
+    use anyhow::Context;
+    let (vs, model) = build(dir, task, adapt, seed)?;
+    let checkpoint = weights::read_checkpoint(dir)?;
     let report = weights::load_checkpoint(&vs, &model, checkpoint)
         .with_context(|| format!("cannot load {} from {}", model.class_name(), dir.display()))?;
     Ok(Pretrained { vs, model, report })
@@ -549,11 +561,7 @@ pub fn from_config(
     adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
-    let mut config = EncoderConfig::from_file(&dir.join(crate::hub::CONFIG_FILE))?;
-    adapt(&mut config)?;
-    tch::manual_seed(seed);
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = TaskModel::new(&vs.root(), config, task);
+    let (vs, model) = build(dir, task, adapt, seed)?;
     let mut newly_initialised: Vec<String> = vs.variables().into_keys().collect();
     newly_initialised.sort();
     let report = weights::LoadReport {

@@ -121,6 +121,26 @@ fn read_file_into(path: &Path, ckpt: &mut Checkpoint) -> Result<()> {
     Ok(())
 }
 
+/// A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> shard file.
+pub fn read_index(index: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(index)
+        .with_context(|| format!("cannot read {}", index.display()))?;
+    let parsed: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let map = parsed
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .with_context(|| format!("{} has no \"weight_map\" object", index.display()))?;
+    map.iter()
+        .map(|(k, v)| {
+            let shard = v
+                .as_str()
+                .with_context(|| format!("{}: shard of {k} is not a file name", index.display()))?;
+            Ok((k.clone(), shard.to_string()))
+        })
+        .collect()
+}
+
 /// Reads `model.safetensors`, or every shard named by `model.safetensors.index.json`.
 pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let mut ckpt = Checkpoint {
@@ -133,15 +153,8 @@ pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     if single.is_file() {
         read_file_into(&single, &mut ckpt)?;
     } else if index.is_file() {
-        let text = std::fs::read_to_string(&index)
-            .with_context(|| format!("cannot read {}", index.display()))?;
-        let parsed: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", index.display()))?;
-        let weight_map = parsed
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .with_context(|| format!("{} has no \"weight_map\" object", index.display()))?;
-        let shards: BTreeSet<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
+        let weight_map = read_index(&index)?;
+        let shards: BTreeSet<&String> = weight_map.values().collect();
         for shard in shards {
             let path = dir.join(shard);
             if !path.is_file() {
