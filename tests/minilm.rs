@@ -5,8 +5,7 @@
 
 mod common;
 
-use common::{fixtures, max_abs_diff, minilm_dir, reference};
-use sprtrain::data::batching::{collate, Feature};
+use common::{encode_batch, fixtures, max_abs_diff, minilm_dir, reference};
 use sprtrain::data::tokenizer::{TextTokenizer, Truncation};
 use sprtrain::models::{from_pretrained, Task};
 
@@ -29,14 +28,10 @@ fn minilm_matches_transformers() {
         Truncation::LongestFirst,
     )
     .unwrap();
-    let texts: Vec<(String, Option<String>)> = sentences.into_iter().map(|s| (s, None)).collect();
-    let features: Vec<Feature> = tok
-        .encode_batch(&texts)
-        .unwrap()
-        .iter()
-        .map(|e| Feature::from_encoding(e, 0.0))
-        .collect();
-    let (inputs, _, _) = collate(&features.iter().collect::<Vec<_>>(), tok.pad_id(), None);
+    let inputs = encode_batch(
+        &tok,
+        &sentences.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     for (got, key) in [
         (&inputs.input_ids, "input_ids"),
         (&inputs.attention_mask, "attention_mask"),

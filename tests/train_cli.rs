@@ -5,9 +5,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixtures, sprtrain, write_sentences};
+use common::{encode_batch, fixtures, sprtrain, write_sentences};
 use serde_json::Value;
-use sprtrain::data::batching::{collate, Feature};
 
 /// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
 fn tiny_model() -> PathBuf {
@@ -151,21 +150,14 @@ fn checkpoint_loads_in_transformers() {
         sprtrain::data::tokenizer::Truncation::LongestFirst,
     )
     .unwrap();
-    let texts: Vec<(String, Option<String>)> = [
-        "the movie was a delight",
-        "dull film",
-        "paris city day story the",
-    ]
-    .iter()
-    .map(|t| (t.to_string(), None))
-    .collect();
-    let features: Vec<Feature> = tok
-        .encode_batch(&texts)
-        .unwrap()
-        .iter()
-        .map(|e| Feature::from_encoding(e, 0.0))
-        .collect();
-    let (inputs, _, _) = collate(&features.iter().collect::<Vec<_>>(), 0, None);
+    let inputs = encode_batch(
+        &tok,
+        &[
+            "the movie was a delight",
+            "dull film",
+            "paris city day story the",
+        ],
+    );
     let p = sprtrain::models::from_pretrained(
         &ckpt,
         sprtrain::models::Task::SequenceClassification,

@@ -77,3 +77,20 @@ pub fn write_sentences(
     }
     std::fs::write(path, text).unwrap();
 }
+
+/// Single texts through `tok`, padded into one batch as training and predict pad them.
+pub fn encode_batch(
+    tok: &sprtrain::data::tokenizer::TextTokenizer,
+    texts: &[&str],
+) -> sprtrain::models::EncoderInputs {
+    use sprtrain::data::batching::{collate, Feature};
+    let texts: Vec<(String, Option<String>)> =
+        texts.iter().map(|t| (t.to_string(), None)).collect();
+    let features: Vec<Feature> = tok
+        .encode_batch(&texts)
+        .unwrap()
+        .iter()
+        .map(|e| Feature::from_encoding(e, 0.0))
+        .collect();
+    collate(&features.iter().collect::<Vec<_>>(), tok.pad_id(), None).0
+}
