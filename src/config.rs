@@ -21,10 +21,42 @@ pub struct Config {
     pub train: TrainConfig,
     /// Evaluation during and after training.
     pub eval: EvalConfig,
+    /// Extractive question answering (model.task = "qa"), as run_qa.py.
+    pub qa: QaConfig,
     /// Numerics and threads.
     pub runtime: RuntimeConfig,
     /// Data parallelism over MPI.
     pub dist: DistConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QaConfig {
+    /// Tokens shared by consecutive windows of a context longer than model.max_seq_len.
+    pub doc_stride: usize,
+    /// SQuAD v2.0: questions may have no answer, and the model may answer "" (the null answer).
+    pub version_2_with_negative: bool,
+    /// Highest start and end logits paired per window when extracting answers.
+    pub n_best_size: usize,
+    /// Longest answer, in tokens.
+    pub max_answer_length: usize,
+    /// v2.0: answer "" when the null score beats the best span's by more than this.
+    pub null_score_diff_threshold: f64,
+    /// An answer_start that does not point at its answer text is an error (else warned and counted).
+    pub strict_answers: bool,
+}
+
+impl Default for QaConfig {
+    fn default() -> Self {
+        QaConfig {
+            doc_stride: 128,
+            version_2_with_negative: false,
+            n_best_size: 20,
+            max_answer_length: 30,
+            null_score_diff_threshold: 0.0,
+            strict_answers: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,13 +104,17 @@ pub enum DataFormat {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
-    /// Training file: CSV, TSV, JSON Lines or Parquet; or `hf://datasets/OWNER/NAME[@REVISION]/PATH`.
+    /// Training file: CSV, TSV, JSON Lines or Parquet (questions: SQuAD JSON, flat JSON, JSON
+    /// Lines or Parquet); or `hf://datasets/OWNER/NAME[@REVISION]/PATH`.
     pub train_file: String,
     /// Evaluation file (same forms); empty to hold out `eval_split` of the training file instead.
     pub eval_file: String,
     /// Fraction of the training file held out for evaluation when `eval_file` is empty
-    /// (a seeded shuffle; 0 = no evaluation data).
+    /// (a seeded shuffle, of whole articles for questions; 0 = no evaluation data).
     pub eval_split: f64,
+    /// A local file used instead when train_file or eval_file is on the Hub and the Hub cannot
+    /// be reached: training data, with eval_split (or else 0.2) of it held out; empty = fail.
+    pub offline_fallback_file: String,
     /// "auto" (from the extension), "csv", "tsv", "jsonl" or "parquet".
     pub format: DataFormat,
     /// Whether CSV/TSV files start with a header row; without one, columns are 0-based indices.
@@ -105,6 +141,7 @@ impl Default for DataConfig {
             train_file: String::new(),
             eval_file: String::new(),
             eval_split: 0.0,
+            offline_fallback_file: String::new(),
             format: DataFormat::Auto,
             has_header: true,
             text_column: "sentence".into(),
@@ -239,6 +276,10 @@ pub struct ModelConfig {
     pub random_init: bool,
     /// tokenizer.json to use instead of the model directory's.
     pub tokenizer_file: String,
+    /// A local directory with a config.json of the same architecture: when name_or_path is a
+    /// Hub id and the Hub cannot be reached, the model is built from it with random weights
+    /// (with a warning) instead of failing; empty = fail.
+    pub offline_fallback: String,
 }
 
 impl Default for ModelConfig {
@@ -252,6 +293,7 @@ impl Default for ModelConfig {
             max_seq_len: 128,
             random_init: false,
             tokenizer_file: String::new(),
+            offline_fallback: String::new(),
         }
     }
 }
@@ -407,6 +449,19 @@ impl Config {
         }
         if t.learning_rate.is_nan() || t.learning_rate <= 0.0 {
             bail!("train.learning_rate: must be positive");
+        }
+        let q = &self.qa;
+        if self.model.task == TaskName::Qa {
+            if q.doc_stride >= self.model.max_seq_len {
+                bail!(
+                    "qa.doc_stride: {} must be below model.max_seq_len ({})",
+                    q.doc_stride,
+                    self.model.max_seq_len
+                );
+            }
+            if q.n_best_size == 0 || q.max_answer_length == 0 {
+                bail!("qa.n_best_size and qa.max_answer_length must be at least 1");
+            }
         }
         if self.model.problem_type != "auto" {
             crate::models::ProblemType::parse(&self.model.problem_type)

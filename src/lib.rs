@@ -1,7 +1,8 @@
 //! sprtrain: data-parallel fine-tuning of Hugging Face encoder models on CPU clusters.
 //!
 //! Layout: `cli` (in main.rs) -> `config` -> `train` (the loop) -> {`models`, `data`, `optim`,
-//! `checkpoint`, `metrics`, `report`}; `predict` and `sysinfo` serve the other commands.
+//! `checkpoint`, `metrics`, `qa` (answers from logits), `report`}; `predict` and `sysinfo` serve
+//! the other commands.
 
 pub mod checkpoint;
 pub mod config;
@@ -12,6 +13,7 @@ pub mod metrics;
 pub mod models;
 pub mod optim;
 pub mod predict;
+pub mod qa;
 pub mod report;
 pub mod sysinfo;
 pub mod train;

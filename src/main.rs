@@ -7,7 +7,6 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use sprtrain::config::{Config, TaskName};
-use sprtrain::hub;
 use sprtrain::models::{self, Task};
 use sprtrain::predict::{self, PredictArgs};
 use sprtrain::sysinfo;
@@ -50,6 +49,23 @@ enum Command {
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         overrides: Vec<String>,
     },
+    /// Evaluate a saved model on the config's evaluation data, as training's final evaluation
+    /// does (SQuAD exact match and F1 for question answering, with predictions.json); runs
+    /// sharded under mpirun.
+    Eval {
+        /// TOML config file (its data, model.task, qa and eval sections are used).
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config value (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Model directory: a checkpoint, or any model directory [default: train.output_dir]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Where to write eval_results.json and predictions [default: train.output_dir]
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
 }
 
 fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
@@ -57,7 +73,7 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         &std::fs::read_to_string(path).context("cannot read the file")?,
         overrides,
     )?;
-    let dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
+    let (dir, random) = sprtrain::train::resolve_model(&config, true)?;
     let task = match config.model.task {
         TaskName::SeqCls => Task::SequenceClassification,
         TaskName::Qa => Task::QuestionAnswering,
@@ -66,7 +82,7 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
     let adapt = |c: &mut models::EncoderConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
     let (pretrained, tokenizer) =
-        sprtrain::train::load_model(&config, &dir, task, adapt, true, true)?;
+        sprtrain::train::load_model(&config, &dir, task, adapt, true, random, true)?;
     let class = pretrained.model.class_name();
     let c = &pretrained.model.config;
     sprtrain::data::tokenizer::TextTokenizer::from_file(
@@ -146,6 +162,29 @@ fn run(cli: Cli) -> Result<()> {
         Command::Predict(args) => {
             let n = predict::run(&args).context("predict")?;
             eprintln!("wrote {n} predictions to {}", args.output.display());
+        }
+        Command::Eval {
+            config,
+            overrides,
+            model,
+            output,
+        } => {
+            let c = Config::load(&config, &overrides)?;
+            if let Some(m) =
+                sprtrain::train::evaluate_saved(&c, model.as_deref(), output.as_deref())?
+            {
+                let out = output.unwrap_or_else(|| PathBuf::from(&c.train.output_dir));
+                let text = serde_json::to_string_pretty(&m)? + "\n";
+                sprtrain::checkpoint::write_atomic(
+                    &out.join("eval_results.json"),
+                    text.as_bytes(),
+                )?;
+                let rows: Vec<(String, String)> = m
+                    .iter()
+                    .map(|(k, v)| (k.clone(), format!("{v:.4}")))
+                    .collect();
+                println!("{}", sprtrain::report::summary_table(&rows));
+            }
         }
         Command::Check { config, overrides } => {
             check(&config, &overrides).with_context(|| format!("config {}", config.display()))?

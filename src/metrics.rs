@@ -1,8 +1,11 @@
 //! Evaluation metrics for sequence classification, defined as scikit-learn and SciPy define
 //! them (the `evaluate` GLUE metrics): accuracy, F1 (binary on class 1, and macro),
-//! Matthews correlation, Pearson and Spearman correlation.
+//! Matthews correlation, Pearson and Spearman correlation; SQuAD's exact match and F1 in
+//! [`squad`].
 
 use std::collections::BTreeMap;
+
+pub mod squad;
 
 /// Fraction of predictions equal to the labels.
 pub fn accuracy(pred: &[usize], gold: &[usize]) -> f64 {

@@ -236,7 +236,7 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
             .iter()
             .map(|e| Feature::from_encoding(e, 0.0))
             .collect();
-        let (inputs, _, _) = collate(
+        let (inputs, _) = collate(
             &features.iter().collect::<Vec<_>>(),
             tokenizer.pad_id(),
             None,

@@ -19,12 +19,14 @@ use crate::checkpoint::{self, ModelFiles, TrainerState};
 use crate::config::{Config, EvalStrategy, Precision, ReduceDtype, TaskName};
 use crate::data::batching::{self, BatchPlan, Feature};
 use crate::data::classification::{self, Example, LabelKind};
+use crate::data::squad::{self, QaExample, QaFeature, QaReadOptions};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
 use crate::dist::{Dist, Pending};
 use crate::hub;
 use crate::metrics;
-use crate::models::{self, Labels, ProblemType, Task, TaskModel};
+use crate::models::{self, ProblemType, Task, TaskModel};
 use crate::optim::{AdamW, AdamWConfig, Bucket, FlatParams, LrSchedule};
+use crate::qa::{self, PostProcess};
 use crate::report::{MetricsLog, Progress};
 use crate::sysinfo::CpuInfo;
 
@@ -114,55 +116,109 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
         & 0x7fff_ffff_ffff_ffff) as i64
 }
 
-/// A batch's (B) float labels as regression targets or class ids.
-fn classification_labels(y: tch::Tensor, regression: bool) -> Labels {
-    if regression {
-        Labels::Values(y)
-    } else {
-        Labels::Classes(y.to_kind(Kind::Int64))
+/// Evaluation data, tokenized.
+pub enum EvalSet {
+    /// Sequence classification: one feature per example.
+    Classification(Vec<Feature>),
+    /// Question answering: the questions, their windows, and the windows as model inputs.
+    Qa {
+        examples: Vec<QaExample>,
+        windows: Vec<QaFeature>,
+        features: Vec<Feature>,
+    },
+}
+
+impl EvalSet {
+    pub fn features(&self) -> &[Feature] {
+        match self {
+            EvalSet::Classification(f) => f,
+            EvalSet::Qa { features, .. } => features,
+        }
     }
 }
 
-/// Evaluates on `features`, each process a contiguous shard, results gathered: mean loss and
-/// the task's metrics, keys prefixed `eval_`, the same on every process.
+/// How evaluation batches and answers are made.
+pub struct EvalOptions<'a> {
+    pub batch_size: usize,
+    pub pad_id: i64,
+    pub pad_to: Option<usize>,
+    pub post: PostProcess,
+    /// Where rank 0 writes predictions.json and nbest_predictions.json (question answering).
+    pub predictions_dir: Option<&'a Path>,
+}
+
+/// Evaluates on `set`, each process a contiguous shard of the features, outputs gathered:
+/// mean loss and the task's metrics (SQuAD exact match and F1 for questions), keys prefixed
+/// `eval_`, the same on every process.
 pub fn evaluate(
     model: &TaskModel,
-    features: &[Feature],
-    batch_size: usize,
-    pad_id: i64,
-    pad_to: Option<usize>,
+    set: &EvalSet,
+    opts: &EvalOptions,
     dist: &Dist,
 ) -> Result<BTreeMap<String, f64>> {
     let regression = model.config.resolved_problem_type() == ProblemType::Regression;
+    let features = set.features();
     let (rank, world) = (dist.topo.rank, dist.topo.world);
     let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
     let (mut loss_sum, mut outputs) = (0.0, Vec::with_capacity(shard.len()));
-    for chunk in shard.chunks(batch_size) {
+    for chunk in shard.chunks(opts.batch_size) {
         let refs: Vec<&Feature> = chunk.iter().collect();
-        let (inputs, y, _) = batching::collate(&refs, pad_id, pad_to);
+        let (inputs, _) = batching::collate(&refs, opts.pad_id, opts.pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
-        let labels = classification_labels(y, regression);
+        let labels = batching::batch_labels(&refs, regression);
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * chunk.len() as f64;
-        // A regression score, or the predicted class id (exact in f32).
-        let out = if regression {
-            out.logits.view([-1]).to_kind(Kind::Float)
-        } else {
-            out.logits.argmax(-1, false).to_kind(Kind::Float)
-        };
-        outputs.extend(Vec::<f32>::try_from(out)?);
+        match set {
+            // Each window's start then end logits over its real tokens.
+            EvalSet::Qa { .. } => {
+                let (start, end) = out.span_logits();
+                let (start, end) = (start.to_kind(Kind::Float), end.to_kind(Kind::Float));
+                for (row, f) in chunk.iter().enumerate() {
+                    let n = f.input_ids.len() as i64;
+                    for t in [&start, &end] {
+                        outputs.extend(Vec::<f32>::try_from(t.get(row as i64).narrow(0, 0, n))?);
+                    }
+                }
+            }
+            // A regression score, or the predicted class id (exact in f32).
+            EvalSet::Classification(_) => {
+                let out = if regression {
+                    out.logits.view([-1]).to_kind(Kind::Float)
+                } else {
+                    out.logits.argmax(-1, false).to_kind(Kind::Float)
+                };
+                outputs.extend(Vec::<f32>::try_from(out)?);
+            }
+        }
     }
     let outputs: Vec<f32> = dist.all_gather_f32("evaluation outputs", outputs)?.concat();
     let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
-    let gold: Vec<f64> = features.iter().map(|f| f.label).collect();
-    let mut m = if regression {
-        metrics::regression_report(
-            &outputs.iter().map(|&x| x as f64).collect::<Vec<_>>(),
-            &gold,
-        )
-    } else {
-        let pred: Vec<usize> = outputs.iter().map(|&p| p as usize).collect();
-        let gold: Vec<usize> = gold.iter().map(|&g| g as usize).collect();
-        metrics::classification_report(&pred, &gold, model.config.num_labels())
+    let mut m = match set {
+        EvalSet::Qa {
+            examples, windows, ..
+        } => {
+            let (mut starts, mut ends, mut at) = (Vec::new(), Vec::new(), 0);
+            for f in features {
+                let n = f.input_ids.len();
+                starts.push(outputs[at..at + n].to_vec());
+                ends.push(outputs[at + n..at + 2 * n].to_vec());
+                at += 2 * n;
+            }
+            let predictions = qa::postprocess(examples, windows, &starts, &ends, &opts.post)?;
+            if let (true, Some(dir)) = (dist.is_root(), opts.predictions_dir) {
+                qa::write_predictions(dir, &predictions, opts.post.version_2_with_negative)?;
+            }
+            qa::score(examples, &predictions, opts.post.version_2_with_negative)
+        }
+        EvalSet::Classification(_) if regression => {
+            let gold: Vec<f64> = features.iter().map(Feature::value).collect();
+            let pred: Vec<f64> = outputs.iter().map(|&x| x as f64).collect();
+            metrics::regression_report(&pred, &gold)
+        }
+        EvalSet::Classification(_) => {
+            let pred: Vec<usize> = outputs.iter().map(|&p| p as usize).collect();
+            let gold: Vec<usize> = features.iter().map(|f| f.value() as usize).collect();
+            metrics::classification_report(&pred, &gold, model.config.num_labels())
+        }
     };
     m.insert("loss".into(), loss_sum / features.len().max(1) as f64);
     Ok(m.into_iter()
@@ -192,18 +248,20 @@ fn tokenize_shared(
 }
 
 /// The run's model from `dir` as `config.model` describes it, and its tokenizer.json. A
-/// `fresh` run honours `model.random_init` and `model.tokenizer_file`; a resumed one takes
-/// both from its checkpoint. With `report`, says what the load did; checks `max_seq_len`.
+/// `fresh` run honours `model.tokenizer_file`, and `random` builds it from config.json alone
+/// with random weights; a resumed one takes both from its checkpoint. With `report`, says
+/// what the load did; checks `max_seq_len`.
 pub fn load_model(
     config: &Config,
     dir: &Path,
     task: Task,
     adapt: impl FnOnce(&mut models::EncoderConfig) -> Result<()>,
     fresh: bool,
+    random: bool,
     report: bool,
 ) -> Result<(models::Pretrained, PathBuf)> {
     let seed = config.runtime.seed as i64;
-    let random = fresh && config.model.random_init;
+    let random = fresh && random;
     let loaded = if random {
         models::from_config(dir, task, adapt, seed)?
     } else {
@@ -213,7 +271,7 @@ pub fn load_model(
     if report && random {
         let config_json = dir.join(hub::CONFIG_FILE);
         tracing::warn!(
-            "{class} randomly initialised from {} (model.random_init): no pretrained weights",
+            "{class} randomly initialised from {}: no pretrained weights",
             config_json.display()
         );
     } else if report {
@@ -236,6 +294,314 @@ pub fn load_model(
         dir.join(hub::TOKENIZER_FILE)
     };
     Ok((loaded, tokenizer))
+}
+
+/// The model directory, and whether to build it with random weights: `model.random_init`, or
+/// the `model.offline_fallback` directory when the Hub cannot be reached.
+pub fn resolve_model(config: &Config, report: bool) -> Result<(PathBuf, bool)> {
+    let m = &config.model;
+    match hub::resolve_model_dir(&m.name_or_path, &m.revision) {
+        Ok(dir) => Ok((dir, m.random_init)),
+        Err(e) if !m.offline_fallback.is_empty() && !Path::new(&m.name_or_path).exists() => {
+            if report {
+                tracing::warn!(
+                    "cannot get {} from the Hugging Face Hub ({e:#}); building its architecture from {}/config.json with RANDOM weights instead (model.offline_fallback): a smoke run, not a fine-tuning of the pretrained model",
+                    m.name_or_path,
+                    m.offline_fallback
+                );
+            }
+            Ok((PathBuf::from(&m.offline_fallback), true))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Training and evaluation files, and the fraction to hold out when there is no evaluation
+/// file; `data.offline_fallback_file` stands in for Hub files the Hub cannot serve.
+fn resolve_data(config: &Config, report: bool) -> Result<(PathBuf, Option<PathBuf>, f64)> {
+    let dc = &config.data;
+    let resolve = || -> Result<(PathBuf, Option<PathBuf>)> {
+        if dc.train_file.is_empty() {
+            bail!("data.train_file: no training file given");
+        }
+        let train = hub::resolve_data_file(&dc.train_file)?;
+        let eval = (!dc.eval_file.is_empty())
+            .then(|| hub::resolve_data_file(&dc.eval_file))
+            .transpose()?;
+        Ok((train, eval))
+    };
+    let on_hub = |f: &str| f.starts_with("hf://");
+    match resolve() {
+        Ok((train, eval)) => Ok((train, eval, dc.eval_split)),
+        Err(e)
+            if !dc.offline_fallback_file.is_empty()
+                && (on_hub(&dc.train_file) || on_hub(&dc.eval_file)) =>
+        {
+            let split = if dc.eval_split > 0.0 {
+                dc.eval_split
+            } else {
+                0.2
+            };
+            if report {
+                tracing::warn!(
+                    "cannot get the data from the Hugging Face Hub ({e:#}); using {} instead, {split} of it held out for evaluation (data.offline_fallback_file)",
+                    dc.offline_fallback_file
+                );
+            }
+            Ok((PathBuf::from(&dc.offline_fallback_file), None, split))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A run's texts, before tokenization.
+enum Texts {
+    Classification {
+        train: Vec<Example>,
+        eval: Vec<Example>,
+        labels: LabelKind,
+        regression: bool,
+    },
+    Qa {
+        train: Vec<QaExample>,
+        eval: Vec<QaExample>,
+    },
+}
+
+/// Reads the training and evaluation data of `config.model.task`.
+fn load_texts(config: &Config, report: bool) -> Result<Texts> {
+    let dc = &config.data;
+    let seed = config.runtime.seed;
+    let (train_file, eval_file, split) = resolve_data(config, report)?;
+    match config.model.task {
+        TaskName::Qa => {
+            let options = QaReadOptions {
+                strict_answers: config.qa.strict_answers,
+                skip_bad_rows: dc.skip_bad_rows,
+            };
+            let read = |path: &Path| -> Result<Vec<QaExample>> {
+                let (examples, found) = squad::load_squad(path, options)?;
+                if report && found.mismatched_answers > 0 {
+                    tracing::warn!(
+                        "{}: {} answers do not start where answer_start says (first: {}); their labels follow answer_start, as run_qa.py's do (qa.strict_answers = true makes this an error)",
+                        path.display(),
+                        found.mismatched_answers,
+                        found.first_mismatch.unwrap_or_default()
+                    );
+                }
+                if report && found.skipped > 0 {
+                    tracing::warn!(
+                        "{}: skipped {} questions with an empty question or context (data.skip_bad_rows)",
+                        path.display(),
+                        found.skipped
+                    );
+                }
+                Ok(examples)
+            };
+            let train = read(&train_file)?;
+            let (train, eval) = match eval_file {
+                Some(path) => (train, read(&path)?),
+                None if split > 0.0 => squad::split_by_article(train, split, seed),
+                None => (train, Vec::new()),
+            };
+            Ok(Texts::Qa { train, eval })
+        }
+        TaskName::SeqCls => {
+            let regression = config.model.problem_type == "regression"
+                || (config.model.problem_type == "auto" && config.model.num_labels == 1);
+            if config.model.problem_type == ProblemType::MultiLabel.as_hf_str() {
+                bail!("model.problem_type: multi-label training data is not supported yet");
+            }
+            let (mut train, labels) =
+                classification::load_examples(&train_file, dc, regression, None)?;
+            let eval = if let Some(path) = eval_file {
+                classification::load_examples(&path, dc, regression, Some(&labels))?.0
+            } else if split > 0.0 {
+                let (keep, held) = batching::holdout_split(train.len(), split, seed);
+                let held: Vec<_> = held.iter().map(|&i| train[i].clone()).collect();
+                train = keep.iter().map(|&i| train[i].clone()).collect();
+                held
+            } else {
+                Vec::new()
+            };
+            if let LabelKind::Classes(names) = &labels {
+                if config.model.num_labels > 0 && config.model.num_labels != names.len() {
+                    bail!(
+                        "model.num_labels is {} but the training data has {} labels ({})",
+                        config.model.num_labels,
+                        names.len(),
+                        names.join(", ")
+                    );
+                }
+            }
+            Ok(Texts::Classification {
+                train,
+                eval,
+                labels,
+                regression,
+            })
+        }
+        TaskName::Mlm => {
+            bail!("model.task: \"mlm\" training is not supported yet (\"seq-cls\" and \"qa\" are)")
+        }
+    }
+}
+
+impl Texts {
+    /// The head these texts train, and how config.json is adapted to it.
+    fn task(&self) -> Task {
+        match self {
+            Texts::Classification { .. } => Task::SequenceClassification,
+            Texts::Qa { .. } => Task::QuestionAnswering,
+        }
+    }
+
+    fn adapt(&self, c: &mut models::EncoderConfig) -> Result<()> {
+        if let Texts::Classification {
+            labels, regression, ..
+        } = self
+        {
+            c.id2label = classification::id2label(labels);
+            c.problem_type = Some(if *regression {
+                ProblemType::Regression
+            } else {
+                ProblemType::SingleLabel
+            });
+        }
+        Ok(())
+    }
+
+    /// Tokenizes training (unless `eval_only`) and evaluation texts; questions become run_qa.py's
+    /// windows.
+    fn tokenize(
+        self,
+        config: &Config,
+        tokenizer_json: &Path,
+        pad_id: i64,
+        dist: &Dist,
+        eval_only: bool,
+    ) -> Result<(Vec<Feature>, Option<EvalSet>)> {
+        let max_len = config.model.max_seq_len;
+        match self {
+            Texts::Classification { train, eval, .. } => {
+                let tok = TextTokenizer::from_file(
+                    tokenizer_json,
+                    pad_id,
+                    max_len,
+                    Truncation::LongestFirst,
+                )?;
+                let train = if eval_only {
+                    Vec::new()
+                } else {
+                    tokenize_shared(&tok, &train, dist, "training")?
+                };
+                let eval = tokenize_shared(&tok, &eval, dist, "evaluation")?;
+                Ok((
+                    train,
+                    (!eval.is_empty()).then_some(EvalSet::Classification(eval)),
+                ))
+            }
+            Texts::Qa { train, eval } => {
+                // Every process builds all windows (tokenizers runs them in parallel): cheap
+                // next to training, and it keeps each window's text offsets local.
+                let tok = squad::qa_tokenizer(tokenizer_json, max_len, config.qa.doc_stride)?;
+                let train = if eval_only {
+                    Vec::new()
+                } else {
+                    squad::qa_features(&tok, &train)?
+                        .iter()
+                        .map(QaFeature::to_feature)
+                        .collect()
+                };
+                if eval.is_empty() {
+                    return Ok((train, None));
+                }
+                let windows = squad::qa_features(&tok, &eval)?;
+                let features = windows.iter().map(QaFeature::to_feature).collect();
+                Ok((
+                    train,
+                    Some(EvalSet::Qa {
+                        examples: eval,
+                        windows,
+                        features,
+                    }),
+                ))
+            }
+        }
+    }
+}
+
+/// `sprtrain eval`: evaluates the model in `model_dir` (default: the final model in
+/// `train.output_dir`) on the config's evaluation data, as training's final evaluation does;
+/// question answering writes predictions.json and nbest_predictions.json into `output_dir`
+/// (default `train.output_dir`). Returns the metrics on rank 0, None elsewhere.
+pub fn evaluate_saved(
+    config: &Config,
+    model_dir: Option<&Path>,
+    output_dir: Option<&Path>,
+) -> Result<Option<BTreeMap<String, f64>>> {
+    let dist = Dist::init(config.dist.collective_timeout_s)?;
+    let result = (|| {
+        let root = dist.is_root();
+        let precision = config.runtime.precision.resolve(&CpuInfo::detect());
+        let _autocast =
+            models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
+        let threads = crate::sysinfo::place_threads(
+            &dist.topo,
+            config.runtime.threads,
+            config.dist.pin_threads,
+        )?;
+        tch::set_num_threads(threads.count as i32);
+        let default_dir = PathBuf::from(&config.train.output_dir);
+        let dir = model_dir.unwrap_or(&default_dir);
+        if !dir.join(hub::CONFIG_FILE).is_file() {
+            bail!(
+                "no model in {} (no {}): train first, or pass --model DIR",
+                dir.display(),
+                hub::CONFIG_FILE
+            );
+        }
+        let texts = load_texts(config, root)?;
+        let (pretrained, tokenizer_json) = load_model(
+            config,
+            dir,
+            texts.task(),
+            |c| texts.adapt(c),
+            false,
+            false,
+            root,
+        )?;
+        let model = pretrained.model;
+        let pad_id = model.config.pad_token_id;
+        let (_, eval_set) = texts.tokenize(config, &tokenizer_json, pad_id, &dist, true)?;
+        let set = eval_set.with_context(|| {
+            "no evaluation data: set data.eval_file, or data.eval_split to hold out part of data.train_file"
+        })?;
+        let out = output_dir.unwrap_or(&default_dir);
+        if root {
+            std::fs::create_dir_all(out)
+                .with_context(|| format!("cannot create {}", out.display()))?;
+        }
+        let opts = EvalOptions {
+            batch_size: config.eval.batch_size,
+            pad_id,
+            pad_to: config
+                .data
+                .pad_to_max_length
+                .then_some(config.model.max_seq_len),
+            post: PostProcess::from_config(&config.qa),
+            predictions_dir: Some(out),
+        };
+        let m = evaluate(&model, &set, &opts, &dist)?;
+        Ok(root.then_some(m))
+    })();
+    match result {
+        Err(e) if dist.topo.world > 1 => {
+            crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
+            dist.abort(1)
+        }
+        r => r,
+    }
 }
 
 /// Refuses to overwrite earlier checkpoints unless asked to.
@@ -280,9 +646,6 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
     let started = Instant::now();
     let root = dist.is_root();
     let (tc, dc) = (&config.train, &config.data);
-    if config.model.task != TaskName::SeqCls {
-        bail!("model.task: training supports \"seq-cls\" so far (question answering comes with the SQuAD pipeline)");
-    }
     let out = PathBuf::from(&tc.output_dir);
     if root {
         prepare_output_dir(&out, resume.is_some(), tc.overwrite_output_dir)?;
@@ -304,77 +667,37 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
     }
     tracing::info!("{}", threads.describe(&dist.topo));
 
-    // Data: labels come from the training file and fix the head's size.
-    let model_dir = hub::resolve_model_dir(&config.model.name_or_path, &config.model.revision)?;
-    if dc.train_file.is_empty() {
-        bail!("data.train_file: no training file given");
-    }
-    let regression = config.model.problem_type == "regression"
-        || (config.model.problem_type == "auto" && config.model.num_labels == 1);
-    if config.model.problem_type == ProblemType::MultiLabel.as_hf_str() {
-        bail!("model.problem_type: multi-label training data is not supported yet");
-    }
-    let train_file = hub::resolve_data_file(&dc.train_file)?;
-    let (mut train_examples, labels) =
-        classification::load_examples(&train_file, dc, regression, None)?;
-    let mut eval_examples = if !dc.eval_file.is_empty() {
-        let eval_file = hub::resolve_data_file(&dc.eval_file)?;
-        classification::load_examples(&eval_file, dc, regression, Some(&labels))?.0
-    } else if dc.eval_split > 0.0 {
-        let (keep, held) =
-            batching::holdout_split(train_examples.len(), dc.eval_split, config.runtime.seed);
-        let held: Vec<_> = held.iter().map(|&i| train_examples[i].clone()).collect();
-        train_examples = keep.iter().map(|&i| train_examples[i].clone()).collect();
-        held
-    } else {
-        Vec::new()
-    };
-    if let LabelKind::Classes(names) = &labels {
-        if config.model.num_labels > 0 && config.model.num_labels != names.len() {
-            bail!(
-                "model.num_labels is {} but the training data has {} labels ({})",
-                config.model.num_labels,
-                names.len(),
-                names.join(", ")
-            );
-        }
-    }
+    // Data: class labels come from the training file and fix the head's size.
+    let (model_dir, random) = resolve_model(config, root)?;
+    let texts = load_texts(config, root)?;
 
-    // Model: the pretrained one with a head for these labels, or the checkpoint to resume.
+    // Model: the pretrained one with a head for this task, or the checkpoint to resume.
     let source = resume_dir.as_deref().unwrap_or(&model_dir);
-    let id2label = classification::id2label(&labels);
-    let adapt = |c: &mut models::EncoderConfig| {
-        c.id2label = id2label;
-        c.problem_type = Some(if regression {
-            ProblemType::Regression
-        } else {
-            ProblemType::SingleLabel
-        });
-        Ok(())
-    };
     let (pretrained, tokenizer_json) = load_model(
         config,
         source,
-        Task::SequenceClassification,
-        adapt,
+        texts.task(),
+        |c| texts.adapt(c),
         resume_dir.is_none(),
+        random,
         root,
     )?;
     let (vs, model) = (pretrained.vs, pretrained.model);
+    let regression = model.config.resolved_problem_type() == ProblemType::Regression;
 
     // Tokenize once, in parallel.
-    let tok = TextTokenizer::from_file(
-        &tokenizer_json,
-        model.config.pad_token_id,
-        config.model.max_seq_len,
-        Truncation::LongestFirst,
-    )?;
-    let train_features = tokenize_shared(&tok, &train_examples, dist, "training")?;
-    let eval_features = tokenize_shared(&tok, &eval_examples, dist, "evaluation")?;
-    eval_examples.clear();
+    let pad_id = model.config.pad_token_id;
+    let (train_features, eval_set) =
+        texts.tokenize(config, &tokenizer_json, pad_id, dist, false)?;
     let lengths: Vec<usize> = train_features.iter().map(|f| f.input_ids.len()).collect();
     let pad_to = dc.pad_to_max_length.then_some(config.model.max_seq_len);
-    let pad_id = tok.pad_id();
+    let eval_options = EvalOptions {
+        batch_size: config.eval.batch_size,
+        pad_id,
+        pad_to,
+        post: PostProcess::from_config(&config.qa),
+        predictions_dir: Some(&out),
+    };
 
     // The plan: batches, steps, schedule.
     let plan = BatchPlan {
@@ -515,7 +838,7 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         tracing::info!(
             "{} examples ({} held for evaluation), {} steps of {} examples, {} parameters in {} gradient buckets",
             train_features.len(),
-            eval_features.len(),
+            eval_set.as_ref().map_or(0, |e| e.features().len()),
             total_steps,
             plan.global_batch(),
             flat.numel(),
@@ -548,8 +871,8 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
             for (m, indices) in micro.iter().enumerate() {
                 let t = Instant::now();
                 let refs: Vec<&Feature> = indices.iter().map(|&i| &train_features[i]).collect();
-                let (inputs, y, real_tokens) = batching::collate(&refs, pad_id, pad_to);
-                let labels = classification_labels(y, regression);
+                let (inputs, real_tokens) = batching::collate(&refs, pad_id, pad_to);
+                let labels = batching::batch_labels(&refs, regression);
                 t_data += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 let micro_index = dist.topo.rank * plan.accumulation + m;
@@ -651,15 +974,8 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 EvalStrategy::Epoch => epoch_done,
                 EvalStrategy::No => false,
             };
-            if !eval_features.is_empty() && (eval_now || last) {
-                let mut m = evaluate(
-                    &model,
-                    &eval_features,
-                    config.eval.batch_size,
-                    pad_id,
-                    pad_to,
-                    dist,
-                )?;
+            if let Some(set) = eval_set.as_ref().filter(|_| eval_now || last) {
+                let mut m = evaluate(&model, set, &eval_options, dist)?;
                 let mut record = json!({"step": state.global_step, "epoch": epoch_f});
                 for (k, v) in &m {
                     record[k] = json!(v);

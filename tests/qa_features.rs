@@ -78,7 +78,7 @@ fn squad_json_errors_are_clear() {
     let p = write("bad.json", "{\"data\": [");
     let e = load_squad_json(&p).unwrap_err().to_string();
     assert!(
-        e.contains("not SQuAD JSON") && e.contains("line 1 column 10"),
+        e.contains("invalid JSON") && e.contains("line 1 column 10"),
         "{e}"
     );
     let q = |id: &str| format!("{{{id}\"question\": \"q\", \"answers\": []}}");
@@ -92,7 +92,7 @@ fn squad_json_errors_are_clear() {
     assert!(load_squad_json(&p)
         .unwrap_err()
         .to_string()
-        .contains("a question has no id"));
+        .contains("has no id"));
     let two = format!("{}, {}", q("\"id\": \"x\", "), q("\"id\": \"x\", "));
     let p = write(
         "dup.json",

@@ -13,23 +13,40 @@ use tch::{Kind, Tensor};
 
 use super::classification::Example;
 use super::tokenizer::TextTokenizer;
-use crate::models::EncoderInputs;
+use crate::models::{EncoderInputs, Labels};
 
-/// One tokenized example.
-#[derive(Debug, Clone)]
+/// What a feature is trained towards.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Target {
+    /// A class id or a regression value.
+    Value(f64),
+    /// Start and end token positions of an answer (question answering).
+    Span(i64, i64),
+}
+
+/// One tokenized example (or one window of one, in question answering).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Feature {
     pub input_ids: Vec<i64>,
     pub type_ids: Vec<i64>,
-    pub label: f64,
+    pub target: Target,
 }
 
 impl Feature {
-    /// The ids and token types of one encoding, with `label`.
+    /// The ids and token types of one encoding, with a class id or value.
     pub fn from_encoding(enc: &tokenizers::Encoding, label: f64) -> Self {
         Feature {
             input_ids: enc.get_ids().iter().map(|&i| i as i64).collect(),
             type_ids: enc.get_type_ids().iter().map(|&i| i as i64).collect(),
-            label,
+            target: Target::Value(label),
+        }
+    }
+
+    /// The class id or value (0 for a span).
+    pub fn value(&self) -> f64 {
+        match self.target {
+            Target::Value(v) => v,
+            Target::Span(..) => 0.0,
         }
     }
 }
@@ -49,7 +66,8 @@ pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature
 }
 
 /// Serialises features for exchange between processes: per feature, u32 length, the ids as
-/// u32, the type ids as u8, the label as f64 (little-endian).
+/// u32, the type ids as u8, then a tag byte and the label: 0 and an f64, or 1 and two i64
+/// span positions (little-endian).
 pub fn encode_features(features: &[Feature]) -> Vec<u8> {
     let mut out = Vec::new();
     for f in features {
@@ -58,7 +76,17 @@ pub fn encode_features(features: &[Feature]) -> Vec<u8> {
             out.extend((id as u32).to_le_bytes());
         }
         out.extend(f.type_ids.iter().map(|&t| t as u8));
-        out.extend(f.label.to_le_bytes());
+        match f.target {
+            Target::Value(v) => {
+                out.push(0);
+                out.extend(v.to_le_bytes());
+            }
+            Target::Span(s, e) => {
+                out.push(1);
+                out.extend(s.to_le_bytes());
+                out.extend(e.to_le_bytes());
+            }
+        }
     }
     out
 }
@@ -81,11 +109,17 @@ pub fn decode_features(bytes: &[u8]) -> Result<Vec<Feature>> {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
             .collect();
         let type_ids = take(bytes, &mut at, n)?.iter().map(|&t| t as i64).collect();
-        let label = f64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?);
+        let target = match take(bytes, &mut at, 1)?[0] {
+            0 => Target::Value(f64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?)),
+            _ => Target::Span(
+                i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
+                i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
+            ),
+        };
         out.push(Feature {
             input_ids,
             type_ids,
-            label,
+            target,
         });
     }
     Ok(out)
@@ -165,13 +199,13 @@ impl BatchPlan {
     }
 }
 
-/// Pads a set of features to their longest (or to `pad_to`) and builds (B, T) tensors plus the
-/// (B) labels; returns the number of real tokens too.
+/// Pads a set of features to their longest (or to `pad_to`) and builds (B, T) tensors; returns
+/// the number of real tokens too.
 pub fn collate(
     features: &[&Feature],
     pad_id: i64,
     pad_to: Option<usize>,
-) -> (EncoderInputs, Tensor, usize) {
+) -> (EncoderInputs, usize) {
     let b = features.len();
     let longest = features
         .iter()
@@ -191,16 +225,42 @@ pub fn collate(
         real += n;
     }
     let shape = [b as i64, t as i64];
-    let labels: Vec<f64> = features.iter().map(|f| f.label).collect();
     (
         EncoderInputs {
             input_ids: Tensor::from_slice(&ids).view(shape),
             attention_mask: Tensor::from_slice(&mask).view(shape),
             token_type_ids: Some(Tensor::from_slice(&types).view(shape)),
         },
-        Tensor::from_slice(&labels).to_kind(Kind::Float),
         real,
     )
+}
+
+/// A batch's labels: (B) regression values or class ids, or (B) start and end positions.
+pub fn batch_labels(features: &[&Feature], regression: bool) -> Labels {
+    if features
+        .iter()
+        .all(|f| matches!(f.target, Target::Span(..)))
+        && !features.is_empty()
+    {
+        let (start, end): (Vec<i64>, Vec<i64>) = features
+            .iter()
+            .map(|f| match f.target {
+                Target::Span(s, e) => (s, e),
+                Target::Value(_) => (0, 0),
+            })
+            .unzip();
+        return Labels::Spans {
+            start: Tensor::from_slice(&start),
+            end: Tensor::from_slice(&end),
+        };
+    }
+    let values: Vec<f64> = features.iter().map(|f| f.value()).collect();
+    let y = Tensor::from_slice(&values).to_kind(Kind::Float);
+    if regression {
+        Labels::Values(y)
+    } else {
+        Labels::Classes(y.to_kind(Kind::Int64))
+    }
 }
 
 #[cfg(test)]
@@ -276,24 +336,21 @@ mod tests {
             Feature {
                 input_ids: vec![101, 2023, 30521, 102],
                 type_ids: vec![0, 0, 1, 1],
-                label: 2.0,
+                target: Target::Value(2.0),
             },
             Feature {
                 input_ids: vec![0],
                 type_ids: vec![0],
-                label: -0.25,
+                target: Target::Value(-0.25),
+            },
+            Feature {
+                input_ids: vec![101, 7, 102, 9, 102],
+                type_ids: vec![0, 0, 0, 1, 1],
+                target: Target::Span(3, 4),
             },
         ];
         let back = decode_features(&encode_features(&f)).unwrap();
-        assert_eq!(
-            (
-                back[0].input_ids.clone(),
-                back[0].type_ids.clone(),
-                back[0].label
-            ),
-            (f[0].input_ids.clone(), f[0].type_ids.clone(), 2.0)
-        );
-        assert_eq!(back[1].label, -0.25);
+        assert_eq!(back, f);
         assert!(decode_features(&encode_features(&f)[..10]).is_err());
     }
 

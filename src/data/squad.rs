@@ -23,11 +23,28 @@ pub struct QaExample {
     pub answers: Vec<(String, usize)>,
 }
 
-#[derive(Deserialize)]
-struct SquadFile {
-    data: Vec<SquadArticle>,
+/// How question files are checked as they are read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QaReadOptions {
+    /// An `answer_start` that does not point at its answer text is an error (else counted and
+    /// warned about once; the label follows `answer_start`, as run_qa.py's does).
+    pub strict_answers: bool,
+    /// Skip questions with an empty question or context (counted) instead of failing.
+    pub skip_bad_rows: bool,
 }
 
+/// What reading a question file found besides its examples.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QaReadReport {
+    /// Answers whose `answer_start` does not point at their text.
+    pub mismatched_answers: usize,
+    /// The first such answer, described.
+    pub first_mismatch: Option<String>,
+    /// Questions skipped for an empty question or context (`skip_bad_rows`).
+    pub skipped: usize,
+}
+
+// The official nested format: data[].paragraphs[].qas[].
 #[derive(Deserialize)]
 struct SquadArticle {
     #[serde(default)]
@@ -43,7 +60,7 @@ struct SquadParagraph {
 
 #[derive(Deserialize)]
 struct SquadQa {
-    id: Option<String>,
+    id: Option<serde_json::Value>,
     question: String,
     #[serde(default)]
     answers: Vec<SquadAnswer>,
@@ -57,49 +74,245 @@ struct SquadAnswer {
     answer_start: usize,
 }
 
-/// Reads the official SQuAD JSON. A question without an id or a duplicate id is an error.
-pub fn load_squad_json(path: &Path) -> Result<Vec<QaExample>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let file: SquadFile = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("{}: not SQuAD JSON: {e}", path.display()))?;
-    let mut out = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for article in file.data {
-        for para in article.paragraphs {
-            for qa in para.qas {
-                let id = qa.id.with_context(|| {
-                    format!(
-                        "{}: a question has no id: {:?}",
-                        path.display(),
-                        qa.question
-                    )
-                })?;
-                if !seen.insert(id.clone()) {
-                    bail!("{}: duplicate question id {id}", path.display());
+// The Hugging Face datasets format (JSON, JSON Lines, Parquet): one record per question.
+#[derive(Deserialize)]
+struct FlatRecord {
+    id: Option<serde_json::Value>,
+    #[serde(default)]
+    title: Option<String>,
+    context: String,
+    question: String,
+    #[serde(default)]
+    answers: Option<FlatAnswers>,
+}
+
+#[derive(Deserialize)]
+struct FlatAnswers {
+    text: Vec<String>,
+    answer_start: Vec<usize>,
+}
+
+/// Builds examples, checking ids, answers and empty texts as it goes.
+struct Collector<'a> {
+    path: &'a Path,
+    options: QaReadOptions,
+    seen: std::collections::HashSet<String>,
+    examples: Vec<QaExample>,
+    report: QaReadReport,
+}
+
+impl Collector<'_> {
+    fn push(
+        &mut self,
+        at: &str,
+        id: Option<serde_json::Value>,
+        title: &str,
+        question: String,
+        context: &str,
+        answers: Vec<(String, usize)>,
+    ) -> Result<()> {
+        let path = self.path.display();
+        let id = match id {
+            Some(serde_json::Value::String(s)) => s,
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            _ => bail!("{path}: {at}: the question has no id: {question:?}"),
+        };
+        if !self.seen.insert(id.clone()) {
+            bail!("{path}: {at}: duplicate question id {id}");
+        }
+        for (what, text) in [("question", &question), ("context", &context.to_string())] {
+            if text.trim().is_empty() {
+                if self.options.skip_bad_rows {
+                    self.report.skipped += 1;
+                    return Ok(());
                 }
-                let answers = if qa.is_impossible {
-                    Vec::new()
-                } else {
-                    qa.answers
-                        .into_iter()
-                        .map(|a| (a.text, a.answer_start))
-                        .collect()
-                };
-                out.push(QaExample {
-                    id,
-                    title: article.title.clone(),
-                    question: qa.question,
-                    context: para.context.clone(),
-                    answers,
-                });
+                bail!("{path}: question {id} has an empty {what}");
+            }
+        }
+        for (text, start) in &answers {
+            let found: String = context
+                .chars()
+                .skip(*start)
+                .take(text.chars().count())
+                .collect();
+            if &found != text {
+                let what = format!(
+                    "question {id}: answer {text:?} does not start at character {start} of its context (found {found:?})"
+                );
+                if self.options.strict_answers {
+                    bail!("{path}: {what} (qa.strict_answers is set)");
+                }
+                self.report.mismatched_answers += 1;
+                self.report.first_mismatch.get_or_insert(what);
+            }
+        }
+        self.examples.push(QaExample {
+            id,
+            title: title.to_string(),
+            question,
+            context: context.to_string(),
+            answers,
+        });
+        Ok(())
+    }
+
+    fn nested(&mut self, articles: Vec<SquadArticle>) -> Result<()> {
+        for (a, article) in articles.into_iter().enumerate() {
+            for (p, para) in article.paragraphs.into_iter().enumerate() {
+                for (q, qa) in para.qas.into_iter().enumerate() {
+                    let answers = if qa.is_impossible {
+                        Vec::new()
+                    } else {
+                        qa.answers
+                            .into_iter()
+                            .map(|x| (x.text, x.answer_start))
+                            .collect()
+                    };
+                    let at = format!("data[{a}].paragraphs[{p}].qas[{q}]");
+                    self.push(
+                        &at,
+                        qa.id,
+                        &article.title,
+                        qa.question,
+                        &para.context,
+                        answers,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn flat(&mut self, at: &str, value: serde_json::Value) -> Result<()> {
+        let r: FlatRecord = serde_json::from_value(value)
+            .map_err(|e| anyhow!("{}: {at}: not a question record: {e}", self.path.display()))?;
+        let answers = match r.answers {
+            Some(a) if a.text.len() != a.answer_start.len() => bail!(
+                "{}: {at}: answers has {} texts but {} starts",
+                self.path.display(),
+                a.text.len(),
+                a.answer_start.len()
+            ),
+            Some(a) => a.text.into_iter().zip(a.answer_start).collect(),
+            None => Vec::new(),
+        };
+        let title = r.title.unwrap_or_default();
+        self.push(at, r.id, &title, r.question, &r.context, answers)
+    }
+}
+
+/// Reads questions: the official SQuAD JSON (v1.1, v2.0's `is_impossible`), or the Hugging
+/// Face flat records (`id, title, context, question, answers{text, answer_start}`) as a JSON
+/// array, a JSON object with a `data` array, JSON Lines (`.jsonl`) or Parquet (`.parquet`, as
+/// the Hub's rajpurkar/squad files). A question without an id, or a duplicate id, is an error.
+pub fn load_squad(path: &Path, options: QaReadOptions) -> Result<(Vec<QaExample>, QaReadReport)> {
+    if !path.is_file() {
+        bail!("data file {} does not exist", path.display());
+    }
+    let mut c = Collector {
+        path,
+        options,
+        seen: std::collections::HashSet::new(),
+        examples: Vec::new(),
+        report: QaReadReport::default(),
+    };
+    let name = path.to_string_lossy().to_ascii_lowercase();
+    if name.ends_with(".parquet") {
+        read_parquet_records(path, &mut c)?;
+    } else if name.ends_with(".jsonl") {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let at = format!("line {}", i + 1);
+            let value = serde_json::from_str(line)
+                .map_err(|e| anyhow!("{}: {at}: invalid JSON: {e}", path.display()))?;
+            c.flat(&at, value)?;
+        }
+    } else {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow!("{}: invalid JSON: {e}", path.display()))?;
+        let records = match value {
+            serde_json::Value::Object(mut o) => match o.remove("data") {
+                Some(serde_json::Value::Array(a)) => a,
+                _ => bail!("{}: not SQuAD JSON: no \"data\" array", path.display()),
+            },
+            serde_json::Value::Array(a) => a,
+            _ => bail!(
+                "{}: not SQuAD JSON: expected an object or an array",
+                path.display()
+            ),
+        };
+        let nested = records
+            .first()
+            .is_some_and(|r| r.get("paragraphs").is_some());
+        if nested {
+            let articles: Vec<SquadArticle> =
+                serde_json::from_value(serde_json::Value::Array(records))
+                    .map_err(|e| anyhow!("{}: not SQuAD JSON: {e}", path.display()))?;
+            c.nested(articles)?;
+        } else {
+            for (i, r) in records.into_iter().enumerate() {
+                c.flat(&format!("record {}", i + 1), r)?;
             }
         }
     }
-    if out.is_empty() {
+    if c.examples.is_empty() {
         bail!("{} holds no questions", path.display());
     }
-    Ok(out)
+    Ok((c.examples, c.report))
+}
+
+/// Reads the official SQuAD JSON strictly (every check an error).
+pub fn load_squad_json(path: &Path) -> Result<Vec<QaExample>> {
+    Ok(load_squad(
+        path,
+        QaReadOptions {
+            strict_answers: true,
+            skip_bad_rows: false,
+        },
+    )?
+    .0)
+}
+
+fn read_parquet_records(path: &Path, c: &mut Collector) -> Result<()> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let reader = SerializedFileReader::new(file)
+        .with_context(|| format!("{} is not a valid Parquet file", path.display()))?;
+    let rows = reader
+        .get_row_iter(None)
+        .with_context(|| format!("{}: cannot read rows", path.display()))?;
+    for (i, row) in rows.enumerate() {
+        let at = format!("row {}", i + 1);
+        let row = row.with_context(|| format!("{}: {at}: cannot decode", path.display()))?;
+        c.flat(&at, row.to_json_value())?;
+    }
+    Ok(())
+}
+
+/// Splits examples by article (title) into (train, held out), holding out about `fraction`
+/// of the articles, seeded: no context is seen on both sides.
+pub fn split_by_article(
+    examples: Vec<QaExample>,
+    fraction: f64,
+    seed: u64,
+) -> (Vec<QaExample>, Vec<QaExample>) {
+    let mut titles: Vec<&str> = Vec::new();
+    for e in &examples {
+        if !titles.contains(&e.title.as_str()) {
+            titles.push(&e.title);
+        }
+    }
+    let (_, held) = super::batching::holdout_split(titles.len(), fraction, seed);
+    let held: std::collections::HashSet<String> =
+        held.iter().map(|&i| titles[i].to_string()).collect();
+    examples.into_iter().partition(|e| !held.contains(&e.title))
 }
 
 /// One window of one example.
@@ -183,4 +396,15 @@ fn label(offsets: &[Option<(usize, usize)>], ex: &QaExample) -> (i64, i64) {
         e -= 1;
     }
     ((s - 1) as i64, (e + 1) as i64)
+}
+
+impl QaFeature {
+    /// The model input of this window, labelled with its answer span.
+    pub fn to_feature(&self) -> super::batching::Feature {
+        super::batching::Feature {
+            input_ids: self.input_ids.clone(),
+            type_ids: self.type_ids.clone(),
+            target: super::batching::Target::Span(self.start_position, self.end_position),
+        }
+    }
 }
