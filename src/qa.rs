@@ -308,7 +308,14 @@ mod tests {
         // The question token (1) has the highest logits but is not context.
         let s = vec![vec![0.0, 9.0, 0.0, 5.0, 1.0, 0.5, 0.0]];
         let e = vec![vec![0.0, 9.0, 0.0, 4.0, 1.0, 2.0, 0.0]];
-        let p = postprocess(&[ex], &[f.clone()], &s, &e, &PostProcess::default()).unwrap();
+        let p = postprocess(
+            &[ex],
+            std::slice::from_ref(&f),
+            &s,
+            &e,
+            &PostProcess::default(),
+        )
+        .unwrap();
         assert_eq!(p.answers, vec![("q".to_string(), "Paris".to_string())]);
         let probs: f32 = p.nbest[0].1.iter().map(|c| c.probability).sum();
         assert!((probs - 1.0).abs() < 1e-6);
@@ -331,7 +338,7 @@ mod tests {
             version_2_with_negative: true,
             ..PostProcess::default()
         };
-        let p = postprocess(&[example("Paris")], &[f.clone()], &s, &e, &cfg).unwrap();
+        let p = postprocess(&[example("Paris")], std::slice::from_ref(&f), &s, &e, &cfg).unwrap();
         assert_eq!(p.answers[0].1, "");
         assert_eq!(p.null_odds[0].1, 10.0);
         let lenient = PostProcess {

@@ -94,3 +94,36 @@ pub fn encode_batch(
         .collect();
     collate(&features.iter().collect::<Vec<_>>(), tok.pad_id(), None).0
 }
+
+/// A SQuAD v1.1 file of `articles` articles, each with 3 paragraphs of one question: a context
+/// of [`WORDS`] where "city" is followed by the answer word, asked "which city ?". Contexts
+/// run 6 to 30 words, so the longer overflow into several windows at 32 tokens.
+pub fn write_squad(path: &Path, articles: usize) {
+    let mut data = Vec::new();
+    for a in 0..articles {
+        let mut paragraphs = Vec::new();
+        for p in 0..3 {
+            let i = a * 3 + p;
+            let n = 6 + (i * 7) % 25;
+            let mut words: Vec<&str> = (0..n)
+                .map(|j| WORDS[(i * 5 + j * 3) % WORDS.len()])
+                .filter(|w| *w != "city")
+                .collect();
+            let at = (i * 11) % (words.len() - 1);
+            let answer = WORDS[(i * 13) % WORDS.len()].replace("city", "paris");
+            words.insert(at, "city");
+            let context_head = words[..=at].join(" ");
+            let start = context_head.chars().count() + 1;
+            words.insert(at + 1, &answer);
+            let context = words.join(" ");
+            paragraphs.push(serde_json::json!({
+                "context": context,
+                "qas": [{"id": format!("a{a}p{p}"), "question": "which city ?",
+                         "answers": [{"text": answer, "answer_start": start}]}],
+            }));
+        }
+        data.push(serde_json::json!({"title": format!("article {a}"), "paragraphs": paragraphs}));
+    }
+    let file = serde_json::json!({"version": "1.1", "data": data});
+    std::fs::write(path, serde_json::to_string(&file).unwrap()).unwrap();
+}
