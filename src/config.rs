@@ -451,17 +451,8 @@ impl Config {
             bail!("train.learning_rate: must be positive");
         }
         let q = &self.qa;
-        if self.model.task == TaskName::Qa {
-            if q.doc_stride >= self.model.max_seq_len {
-                bail!(
-                    "qa.doc_stride: {} must be below model.max_seq_len ({})",
-                    q.doc_stride,
-                    self.model.max_seq_len
-                );
-            }
-            if q.n_best_size == 0 || q.max_answer_length == 0 {
-                bail!("qa.n_best_size and qa.max_answer_length must be at least 1");
-            }
+        if q.n_best_size == 0 || q.max_answer_length == 0 {
+            bail!("qa.n_best_size and qa.max_answer_length must be at least 1");
         }
         if self.model.problem_type != "auto" {
             crate::models::ProblemType::parse(&self.model.problem_type)

@@ -504,6 +504,12 @@ impl Texts {
             Texts::Qa { train, eval } => {
                 // Every process builds all windows (tokenizers runs them in parallel): cheap
                 // next to training, and it keeps each window's text offsets local.
+                if config.qa.doc_stride >= max_len {
+                    bail!(
+                        "qa.doc_stride: {} must be below model.max_seq_len ({max_len})",
+                        config.qa.doc_stride
+                    );
+                }
                 let tok = squad::qa_tokenizer(tokenizer_json, max_len, config.qa.doc_stride)?;
                 let train = if eval_only {
                     Vec::new()
