@@ -1,0 +1,142 @@
+//! Question answering under `mpirun -n 2`, in its own test binary so that its job never runs
+//! beside the fault tests of tests/mpi.rs (a loaded machine delayed their kill -9 check).
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::fixtures;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
+
+fn mpirun() -> Option<String> {
+    let cmd = std::env::var("SPRTRAIN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    Command::new(&cmd)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| cmd)
+}
+
+fn run_ok(mut cmd: Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn losses(out: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|r| r.get("loss").and_then(Value::as_f64))
+        .collect()
+}
+
+/// Question answering under two ranks: training steps equal one rank's with the double batch
+/// (fp32, 1e-5 relative), and `sprtrain eval` sharded over two ranks, start/end logits gathered,
+/// gives the same EM/F1 and the same predictions.json as one rank.
+#[test]
+fn question_answering_trains_and_evaluates_sharded() {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("squad.json");
+    common::write_squad(&data, 20);
+    // The tiny QA BERT with dropout off, and every batch padded to 32 tokens (the span loss is a
+    // softmax over all positions, padding included, as in transformers), so one micro-batch of
+    // 2B and two of B compute the same mean.
+    let model = tmp.path().join("bert-qa");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixtures().join("parity/bert-qa").join(f), model.join(f)).unwrap();
+    }
+    let config = std::fs::read_to_string(fixtures().join("parity/bert-qa/config.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&config).unwrap();
+    config["hidden_dropout_prob"] = 0.0.into();
+    config["attention_probs_dropout_prob"] = 0.0.into();
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    let cfg = |name: &str, batch: usize| -> (PathBuf, PathBuf) {
+        let out = tmp.path().join(name);
+        let text = format!(
+            "[model]\nname_or_path = \"{}\"\ntask = \"qa\"\nmax_seq_len = 32\n\n\
+             [data]\ntrain_file = \"{}\"\neval_split = 0.25\npad_to_max_length = true\n\n[qa]\ndoc_stride = 8\n\n\
+             [train]\noutput_dir = \"{}\"\nmax_steps = 6\nbatch_size = {batch}\nlearning_rate = 3e-3\n\
+             logging_steps = 1\nsave_steps = 0\n\n[eval]\nstrategy = \"no\"\nbatch_size = 5\n\n\
+             [runtime]\nprecision = \"fp32\"\nthreads = 1\nseed = 5\n",
+            model.display(),
+            data.display(),
+            out.display()
+        );
+        let path = tmp.path().join(format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        (path, out)
+    };
+    let (c2, out2) = cfg("qa-two", 4);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"]).arg(&c2);
+    run_ok(cmd);
+    let (c1, out1) = cfg("qa-one", 8);
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--config").arg(&c1);
+    run_ok(cmd);
+    let (l1, l2) = (losses(&out1), losses(&out2));
+    // 53 windows: 6 full global batches of 8 (a short seventh would average its micro-batches).
+    assert_eq!(l1.len(), 6);
+    let worst = l1
+        .iter()
+        .zip(&l2)
+        .map(|(a, b)| ((a - b) / b).abs())
+        .fold(0.0, f64::max);
+    eprintln!("question answering: per-step loss max relative difference {worst:e}");
+    assert!(worst <= 1e-5, "{l1:?} vs {l2:?}");
+
+    // The one-rank model evaluated by one and by two ranks.
+    let read = |p: PathBuf| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let eval = |ranks: Option<&str>, dir: &str| -> PathBuf {
+        let dest = tmp.path().join(dir);
+        let mut cmd = match ranks {
+            Some(n) => {
+                let mut c = Command::new(&mpirun);
+                c.args(["-n", n, BIN]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        cmd.args(["eval", "--config"])
+            .arg(&c1)
+            .arg("--output")
+            .arg(&dest);
+        run_ok(cmd);
+        dest
+    };
+    let (one, two) = (eval(None, "eval-one"), eval(Some("2"), "eval-two"));
+    let (m1, m2) = (
+        read(one.join("eval_results.json")),
+        read(two.join("eval_results.json")),
+    );
+    assert_eq!(
+        m1["eval_exact_match"], m2["eval_exact_match"],
+        "{m1} vs {m2}"
+    );
+    assert_eq!(m1["eval_f1"], m2["eval_f1"], "{m1} vs {m2}");
+    let dl = (m1["eval_loss"].as_f64().unwrap() - m2["eval_loss"].as_f64().unwrap()).abs();
+    assert!(dl <= 1e-6, "eval loss differs by {dl}");
+    let p1 = read(one.join("predictions.json"));
+    assert_eq!(p1.as_object().unwrap().len(), 15);
+    assert_eq!(p1, read(two.join("predictions.json")));
+    eprintln!(
+        "question answering: sharded evaluation EM {} F1 {} on one and two ranks",
+        m1["eval_exact_match"], m1["eval_f1"]
+    );
+}
