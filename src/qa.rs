@@ -143,8 +143,9 @@ pub fn postprocess(
                     end_logit: e0,
                 });
             }
+            let best_ends = top_positions(ends, cfg.n_best_size);
             for &s in &top_positions(starts, cfg.n_best_size) {
-                for &e in &top_positions(ends, cfg.n_best_size) {
+                for &e in &best_ends {
                     let (Some(Some(so)), Some(Some(eo))) = (offsets.get(s), offsets.get(e)) else {
                         continue;
                     };
@@ -284,11 +285,12 @@ mod tests {
     fn feature(offsets: Vec<Option<(usize, usize)>>) -> QaFeature {
         QaFeature {
             example: 0,
-            input_ids: vec![0; offsets.len()],
-            type_ids: vec![0; offsets.len()],
+            input: crate::data::batching::Feature {
+                input_ids: vec![0; offsets.len()],
+                type_ids: vec![0; offsets.len()],
+                target: crate::data::batching::Target::Span(0, 0),
+            },
             offsets,
-            start_position: 0,
-            end_position: 0,
         }
     }
 

@@ -120,19 +120,19 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
 pub enum EvalSet {
     /// Sequence classification: one feature per example.
     Classification(Vec<Feature>),
-    /// Question answering: the questions, their windows, and the windows as model inputs.
+    /// Question answering: the questions and their windows.
     Qa {
         examples: Vec<QaExample>,
         windows: Vec<QaFeature>,
-        features: Vec<Feature>,
     },
 }
 
 impl EvalSet {
-    pub fn features(&self) -> &[Feature] {
+    /// The model inputs, one per example or window.
+    pub fn features(&self) -> Vec<&Feature> {
         match self {
-            EvalSet::Classification(f) => f,
-            EvalSet::Qa { features, .. } => features,
+            EvalSet::Classification(f) => f.iter().collect(),
+            EvalSet::Qa { windows, .. } => windows.iter().map(|w| &w.input).collect(),
         }
     }
 }
@@ -162,10 +162,9 @@ pub fn evaluate(
     let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
     let (mut loss_sum, mut outputs) = (0.0, Vec::with_capacity(shard.len()));
     for chunk in shard.chunks(opts.batch_size) {
-        let refs: Vec<&Feature> = chunk.iter().collect();
-        let (inputs, _) = batching::collate(&refs, opts.pad_id, opts.pad_to);
+        let (inputs, _) = batching::collate(chunk, opts.pad_id, opts.pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
-        let labels = batching::batch_labels(&refs, regression);
+        let labels = batching::batch_labels(chunk, regression);
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * chunk.len() as f64;
         match set {
             // Each window's start then end logits over its real tokens.
@@ -197,7 +196,7 @@ pub fn evaluate(
             examples, windows, ..
         } => {
             let (mut starts, mut ends, mut at) = (Vec::new(), Vec::new(), 0);
-            for f in features {
+            for f in &features {
                 let n = f.input_ids.len();
                 starts.push(outputs[at..at + n].to_vec());
                 ends.push(outputs[at + n..at + 2 * n].to_vec());
@@ -210,7 +209,7 @@ pub fn evaluate(
             qa::score(examples, &predictions, opts.post.version_2_with_negative)
         }
         EvalSet::Classification(_) if regression => {
-            let gold: Vec<f64> = features.iter().map(Feature::value).collect();
+            let gold: Vec<f64> = features.iter().map(|f| f.value()).collect();
             let pred: Vec<f64> = outputs.iter().map(|&x| x as f64).collect();
             metrics::regression_report(&pred, &gold)
         }
@@ -456,6 +455,13 @@ impl Texts {
         }
     }
 
+    fn has_eval(&self) -> bool {
+        match self {
+            Texts::Classification { eval, .. } => !eval.is_empty(),
+            Texts::Qa { eval, .. } => !eval.is_empty(),
+        }
+    }
+
     fn adapt(&self, c: &mut models::EncoderConfig) -> Result<()> {
         if let Texts::Classification {
             labels, regression, ..
@@ -515,21 +521,19 @@ impl Texts {
                     Vec::new()
                 } else {
                     squad::qa_features(&tok, &train)?
-                        .iter()
-                        .map(QaFeature::to_feature)
+                        .into_iter()
+                        .map(|w| w.input)
                         .collect()
                 };
                 if eval.is_empty() {
                     return Ok((train, None));
                 }
                 let windows = squad::qa_features(&tok, &eval)?;
-                let features = windows.iter().map(QaFeature::to_feature).collect();
                 Ok((
                     train,
                     Some(EvalSet::Qa {
                         examples: eval,
                         windows,
-                        features,
                     }),
                 ))
             }
@@ -547,17 +551,10 @@ pub fn evaluate_saved(
     output_dir: Option<&Path>,
 ) -> Result<Option<BTreeMap<String, f64>>> {
     let dist = Dist::init(config.dist.collective_timeout_s)?;
+    let _rank =
+        (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
     let result = (|| {
         let root = dist.is_root();
-        let precision = config.runtime.precision.resolve(&CpuInfo::detect());
-        let _autocast =
-            models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
-        let threads = crate::sysinfo::place_threads(
-            &dist.topo,
-            config.runtime.threads,
-            config.dist.pin_threads,
-        )?;
-        tch::set_num_threads(threads.count as i32);
         let default_dir = PathBuf::from(&config.train.output_dir);
         let dir = model_dir.unwrap_or(&default_dir);
         if !dir.join(hub::CONFIG_FILE).is_file() {
@@ -568,6 +565,10 @@ pub fn evaluate_saved(
             );
         }
         let texts = load_texts(config, root)?;
+        if !texts.has_eval() {
+            bail!("no evaluation data: set data.eval_file, or data.eval_split to hold out part of data.train_file");
+        }
+        let _autocast = set_up_numerics(config, &dist)?;
         let (pretrained, tokenizer_json) = load_model(
             config,
             dir,
@@ -580,9 +581,7 @@ pub fn evaluate_saved(
         let model = pretrained.model;
         let pad_id = model.config.pad_token_id;
         let (_, eval_set) = texts.tokenize(config, &tokenizer_json, pad_id, &dist, true)?;
-        let set = eval_set.with_context(|| {
-            "no evaluation data: set data.eval_file, or data.eval_split to hold out part of data.train_file"
-        })?;
+        let set = eval_set.context("no evaluation data")?;
         let out = output_dir.unwrap_or(&default_dir);
         if root {
             std::fs::create_dir_all(out)
@@ -601,13 +600,7 @@ pub fn evaluate_saved(
         let m = evaluate(&model, &set, &opts, &dist)?;
         Ok(root.then_some(m))
     })();
-    match result {
-        Err(e) if dist.topo.world > 1 => {
-            crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
-            dist.abort(1)
-        }
-        r => r,
-    }
+    stop_every_rank_on_error(&dist, result)
 }
 
 /// Refuses to overwrite earlier checkpoints unless asked to.
@@ -635,17 +628,38 @@ fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
 /// with its rank and stops every rank.
 pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
     let dist = Dist::init(config.dist.collective_timeout_s)?;
-    if dist.topo.world == 1 {
-        return train_on(config, resume, &dist);
-    }
-    let _rank = tracing::info_span!("rank", r = dist.topo.rank).entered();
-    match train_on(config, resume, &dist) {
-        Ok(summary) => Ok(summary),
-        Err(e) => {
+    let _rank =
+        (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
+    let result = train_on(config, resume, &dist);
+    stop_every_rank_on_error(&dist, result)
+}
+
+/// With several processes, an error on one is printed with its rank and stops them all (a
+/// lone error would leave the others waiting in a collective).
+fn stop_every_rank_on_error<T>(dist: &Dist, result: Result<T>) -> Result<T> {
+    match result {
+        Err(e) if dist.topo.world > 1 => {
             crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
             dist.abort(1)
         }
+        r => r,
     }
+}
+
+/// Resolves the precision (bf16 compute on fp32 master weights, for training and evaluation
+/// alike, while the returned guard lives) and places this process's threads.
+fn set_up_numerics(config: &Config, dist: &Dist) -> Result<models::layers::AutocastGuard> {
+    let precision = config.runtime.precision.resolve(&CpuInfo::detect());
+    let autocast =
+        models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
+    let threads =
+        crate::sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
+    tch::set_num_threads(threads.count as i32);
+    if dist.is_root() {
+        tracing::info!("precision {precision:?}, {} process(es)", dist.topo.world);
+    }
+    tracing::info!("{}", threads.describe(&dist.topo));
+    Ok(autocast)
 }
 
 fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summary> {
@@ -660,18 +674,7 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         .map(|spec| checkpoint::resume_dir(&out, spec))
         .transpose()?;
 
-    // Numerics and threads.
-    let precision = config.runtime.precision.resolve(&CpuInfo::detect());
-    // bf16 compute on fp32 master weights, for training and evaluation alike.
-    let _autocast =
-        models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
-    let threads =
-        crate::sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
-    tch::set_num_threads(threads.count as i32);
-    if root {
-        tracing::info!("precision {precision:?}, {} process(es)", dist.topo.world);
-    }
-    tracing::info!("{}", threads.describe(&dist.topo));
+    let _autocast = set_up_numerics(config, dist)?;
 
     // Data: class labels come from the training file and fix the head's size.
     let (model_dir, random) = resolve_model(config, root)?;

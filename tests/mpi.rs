@@ -8,18 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixtures, write_sentences, WORDS};
+use common::{fixtures, losses, mpirun, run_ok, write_sentences, WORDS};
 use serde_json::Value;
-
-fn mpirun() -> Option<String> {
-    let cmd = std::env::var("SPRTRAIN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    Command::new(&cmd)
-        .arg("--version")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|_| cmd)
-}
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
 
@@ -71,29 +61,11 @@ fn config(
     (path, out)
 }
 
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter_map(|r| r.get("loss").and_then(Value::as_f64))
-        .collect()
-}
-
 fn weights(out: &Path) -> Vec<(String, tch::Tensor)> {
     let mut w =
         sprtrain::models::weights::read_safetensors(&out.join("model.safetensors")).unwrap();
     w.sort_by(|a, b| a.0.cmp(&b.0));
     w
-}
-
-fn run_ok(mut cmd: Command) {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Two ranks with batch B against one rank with batch 2B, and against one rank with batch B and

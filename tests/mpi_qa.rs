@@ -6,38 +6,10 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::fixtures;
+use common::{fixtures, losses, mpirun, run_ok};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
-
-fn mpirun() -> Option<String> {
-    let cmd = std::env::var("SPRTRAIN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    Command::new(&cmd)
-        .arg("--version")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|_| cmd)
-}
-
-fn run_ok(mut cmd: Command) {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn losses(out: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter_map(|r| r.get("loss").and_then(Value::as_f64))
-        .collect()
-}
 
 /// Question answering under two ranks: training steps equal one rank's with the double batch
 /// (fp32, 1e-5 relative), and `sprtrain eval` sharded over two ranks, start/end logits gathered,

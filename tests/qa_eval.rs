@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use common::fixtures;
 use serde_json::Value;
+use sprtrain::data::batching::{Feature, Target};
 use sprtrain::data::squad::{load_squad, load_squad_json, QaFeature, QaReadOptions};
 use sprtrain::metrics::squad::{squad_v1, squad_v2, Gold};
 use sprtrain::qa::{postprocess, PostProcess};
@@ -37,11 +38,12 @@ fn answers_match_postprocess_qa_predictions() {
         .iter()
         .map(|f| QaFeature {
             example: index[f["example"].as_str().unwrap()],
-            input_ids: serde_json::from_value(f["input_ids"].clone()).unwrap(),
-            type_ids: serde_json::from_value(f["token_type_ids"].clone()).unwrap(),
             offsets: serde_json::from_value(f["offsets"].clone()).unwrap(),
-            start_position: 0,
-            end_position: 0,
+            input: Feature {
+                input_ids: serde_json::from_value(f["input_ids"].clone()).unwrap(),
+                type_ids: serde_json::from_value(f["token_type_ids"].clone()).unwrap(),
+                target: Target::Span(0, 0),
+            },
         })
         .collect();
     let reference = read_json("postprocess_reference.json");

@@ -36,14 +36,14 @@ fn windows_offsets_and_labels_match_run_qa() {
             "feature {i}: example"
         );
         let ids: Vec<i64> = serde_json::from_value(r["input_ids"].clone()).unwrap();
-        assert_eq!(f.input_ids, ids, "feature {i} ({}): input ids", ex.id);
+        assert_eq!(f.input.input_ids, ids, "feature {i} ({}): input ids", ex.id);
         let types: Vec<i64> = serde_json::from_value(r["token_type_ids"].clone()).unwrap();
-        assert_eq!(f.type_ids, types, "feature {i}: token types");
+        assert_eq!(f.input.type_ids, types, "feature {i}: token types");
         let offsets: Vec<Option<(usize, usize)>> =
             serde_json::from_value(r["offsets"].clone()).unwrap();
         assert_eq!(f.offsets, offsets, "feature {i}: offsets");
         assert_eq!(
-            (f.start_position, f.end_position),
+            f.span(),
             (
                 r["start_position"].as_i64().unwrap(),
                 r["end_position"].as_i64().unwrap()
@@ -56,12 +56,13 @@ fn windows_offsets_and_labels_match_run_qa() {
     for (e, ex) in examples.iter().enumerate() {
         let labelled: Vec<_> = ours
             .iter()
-            .filter(|f| f.example == e && f.start_position > 0)
+            .filter(|f| f.example == e && f.span().0 > 0)
             .collect();
         assert_eq!(labelled.len(), 1, "{}", ex.id);
         let f = labelled[0];
-        let (a, _) = f.offsets[f.start_position as usize].unwrap();
-        let (_, b) = f.offsets[f.end_position as usize].unwrap();
+        let (start, end) = f.span();
+        let (a, _) = f.offsets[start as usize].unwrap();
+        let (_, b) = f.offsets[end as usize].unwrap();
         let span: String = ex.context.chars().skip(a).take(b - a).collect();
         assert_eq!(span, ex.answers[0].0, "{}", ex.id);
     }

@@ -10,6 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
+use super::batching::{Feature, Target};
 use super::tokenizer::{load_tokenizer, Truncation};
 
 /// One question about one context.
@@ -120,7 +121,7 @@ impl Collector<'_> {
         if !self.seen.insert(id.clone()) {
             bail!("{path}: {at}: duplicate question id {id}");
         }
-        for (what, text) in [("question", &question), ("context", &context.to_string())] {
+        for (what, text) in [("question", question.as_str()), ("context", context)] {
             if text.trim().is_empty() {
                 if self.options.skip_bad_rows {
                     self.report.skipped += 1;
@@ -320,12 +321,21 @@ pub fn split_by_article(
 pub struct QaFeature {
     /// Index of the example in the input slice.
     pub example: usize,
-    pub input_ids: Vec<i64>,
-    pub type_ids: Vec<i64>,
     /// Character span in the context of each context token; `None` for question and special tokens.
     pub offsets: Vec<Option<(usize, usize)>>,
-    pub start_position: i64,
-    pub end_position: i64,
+    /// The model input: token ids, token types, and the answer's (start, end) token span.
+    pub input: Feature,
+}
+
+impl QaFeature {
+    /// The labelled answer span, (start, end) token positions; (0, 0) (CLS) when the window
+    /// does not hold the answer.
+    pub fn span(&self) -> (i64, i64) {
+        match self.input.target {
+            Target::Span(s, e) => (s, e),
+            Target::Value(_) => (0, 0),
+        }
+    }
 }
 
 /// A tokenizer set up as run_qa.py sets it: context-only truncation with overflowing windows.
@@ -354,14 +364,15 @@ pub fn qa_features(tok: &Tokenizer, examples: &[QaExample]) -> Result<Vec<QaFeat
                 .zip(&seq)
                 .map(|(o, s)| (*s == Some(1)).then_some(*o))
                 .collect();
-            let (start_position, end_position) = label(&offsets, ex);
+            let (start, end) = label(&offsets, ex);
             out.push(QaFeature {
                 example: index,
-                input_ids: w.get_ids().iter().map(|&i| i as i64).collect(),
-                type_ids: w.get_type_ids().iter().map(|&i| i as i64).collect(),
+                input: Feature {
+                    input_ids: w.get_ids().iter().map(|&i| i as i64).collect(),
+                    type_ids: w.get_type_ids().iter().map(|&i| i as i64).collect(),
+                    target: Target::Span(start, end),
+                },
                 offsets,
-                start_position,
-                end_position,
             });
         }
     }
@@ -396,15 +407,4 @@ fn label(offsets: &[Option<(usize, usize)>], ex: &QaExample) -> (i64, i64) {
         e -= 1;
     }
     ((s - 1) as i64, (e + 1) as i64)
-}
-
-impl QaFeature {
-    /// The model input of this window, labelled with its answer span.
-    pub fn to_feature(&self) -> super::batching::Feature {
-        super::batching::Feature {
-            input_ids: self.input_ids.clone(),
-            type_ids: self.type_ids.clone(),
-            target: super::batching::Target::Span(self.start_position, self.end_position),
-        }
-    }
 }

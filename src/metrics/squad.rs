@@ -54,8 +54,8 @@ fn overlap(a: &[&str], b: &[&str]) -> usize {
 }
 
 fn harmonic(same: usize, pred: usize, gold: usize) -> f64 {
-    let precision = 1.0 * same as f64 / pred as f64;
-    let recall = 1.0 * same as f64 / gold as f64;
+    let precision = same as f64 / pred as f64;
+    let recall = same as f64 / gold as f64;
     (2.0 * precision * recall) / (precision + recall)
 }
 

@@ -127,3 +127,34 @@ pub fn write_squad(path: &Path, articles: usize) {
     let file = serde_json::json!({"version": "1.1", "data": data});
     std::fs::write(path, serde_json::to_string(&file).unwrap()).unwrap();
 }
+
+/// The MPI launcher (`mpirun`, or `$SPRTRAIN_MPIRUN`), if it runs.
+pub fn mpirun() -> Option<String> {
+    let cmd = std::env::var("SPRTRAIN_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    std::process::Command::new(&cmd)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| cmd)
+}
+
+/// Runs `cmd`, failing the test with its stderr unless it succeeds.
+pub fn run_ok(mut cmd: std::process::Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The logged training losses of a run, in step order (metrics.jsonl).
+pub fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|r| r.get("loss").and_then(serde_json::Value::as_f64))
+        .collect()
+}
