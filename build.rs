@@ -1,22 +1,41 @@
-//! Embeds an rpath to libtorch's lib directory so the binary runs without LD_LIBRARY_PATH
-//! and without an activated venv, and records the libtorch version for `sprtrain env`.
+//! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp) against libtorch,
+//! embeds an rpath to libtorch's lib directory so the binary runs without LD_LIBRARY_PATH and
+//! without an activated venv, and records the libtorch version for `sprtrain env`.
 use std::path::PathBuf;
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=LIBTORCH");
-    let Some(libtorch) = std::env::var_os("LIBTORCH") else {
-        // LIBTORCH_USE_PYTORCH builds: torch-sys finds the library through Python; the loader
-        // then needs LD_LIBRARY_PATH, which the README's commands do not use.
-        println!("cargo:warning=LIBTORCH is not set: no rpath embedded for libtorch");
-        println!("cargo:rustc-env=SPRTRAIN_LIBTORCH_VERSION=unknown");
-        return;
-    };
-    let root = PathBuf::from(libtorch);
-    let root = root.canonicalize().unwrap_or(root);
-    println!(
-        "cargo:rustc-link-arg=-Wl,-rpath,{}",
-        root.join("lib").display()
-    );
+    // torch-sys (links = "tch") tells its dependents where it found libtorch, whether from
+    // LIBTORCH or from Python (LIBTORCH_USE_PYTORCH).
+    let lib_dir = std::env::var_os("DEP_TCH_LIBTORCH_LIB")
+        .map(PathBuf::from)
+        .expect("torch-sys did not report libtorch's lib directory (DEP_TCH_LIBTORCH_LIB)");
+    let lib_dir = lib_dir.canonicalize().unwrap_or(lib_dir);
+    let root = lib_dir.parent().map(PathBuf::from).unwrap_or_default();
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+
+    println!("cargo:rerun-if-changed=src/models/seeded.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .opt_level(3)
+        // libtorch's headers as system headers: their own warnings are not ours.
+        .flag("-isystem")
+        .flag(root.join("include").display().to_string())
+        .flag("-isystem")
+        .flag(
+            root.join("include/torch/csrc/api/include")
+                .display()
+                .to_string(),
+        )
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .flag_if_supported("-Wno-unused-parameter")
+        .file("src/models/seeded.cpp")
+        .compile("sprtrain_seeded");
+
     // PyPI wheels carry version.py; standalone libtorch zips carry build-version.
     let version = std::fs::read_to_string(root.join("version.py"))
         .ok()

@@ -37,6 +37,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from run_qa_labels import answer_positions
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
@@ -410,30 +412,12 @@ def qa_features_reference():
     examples = [(qa, para["context"]) for para in paragraphs for qa in para["qas"]]
     enc = tok([qa["question"].lstrip() for qa, _ in examples], [c for _, c in examples], truncation="only_second",
               max_length=max_len, stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True)
+    positions = answer_positions(tok, enc, [(qa["answers"][0]["text"], qa["answers"][0]["answer_start"]) for qa, _ in examples])
     features = []
-    for i, offsets in enumerate(enc["offset_mapping"]):
-        ids = enc["input_ids"][i]
-        cls_index = ids.index(tok.cls_token_id)
+    for i, (offsets, (start, end)) in enumerate(zip(enc["offset_mapping"], positions)):
         seq = enc.sequence_ids(i)
         qa, _ = examples[enc["overflow_to_sample_mapping"][i]]
-        start_char = qa["answers"][0]["answer_start"]
-        end_char = start_char + len(qa["answers"][0]["text"])
-        ts = 0
-        while seq[ts] != 1:
-            ts += 1
-        te = len(ids) - 1
-        while seq[te] != 1:
-            te -= 1
-        if not (offsets[ts][0] <= start_char and offsets[te][1] >= end_char):
-            start, end = cls_index, cls_index
-        else:
-            while ts < len(offsets) and offsets[ts][0] <= start_char:
-                ts += 1
-            start = ts - 1
-            while offsets[te][1] >= end_char:
-                te -= 1
-            end = te + 1
-        features.append({"example": qa["id"], "input_ids": ids, "token_type_ids": enc["token_type_ids"][i],
+        features.append({"example": qa["id"], "input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
                          "offsets": [list(o) if s == 1 else None for o, s in zip(offsets, seq)],
                          "start_position": start, "end_position": end})
     out = OUT / "qa"

@@ -46,46 +46,45 @@ pub struct TrainerState {
     pub log_history: Vec<serde_json::Value>,
 }
 
-/// Writes bytes to `path` through a temporary file and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_file_name(format!(
+/// Where `path` is written before it is renamed into place.
+fn temporary_path(path: &Path) -> PathBuf {
+    path.with_file_name(format!(
         ".{}.partial",
         path.file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default()
-    ));
+    ))
+}
+
+/// Writes bytes to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temporary_path(path);
     std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path)
         .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
 }
 
-fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let v = Vec::<f32>::try_from(t.to_kind(Kind::Float).contiguous().view([-1]))?;
-    Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
-}
-
-/// Serialises named fp32 tensors as safetensors with transformers' `format: pt` metadata.
-pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+/// Writes named tensors as fp32 safetensors with transformers' `format: pt` metadata,
+/// atomically (a temporary file, then a rename). Each tensor's bytes go from its own memory
+/// to the file: no copy of the whole model (or optimizer state) is built in memory.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    // safetensors stores little-endian data, which an fp32 tensor's memory is on this target.
+    const _: () = assert!(cfg!(target_endian = "little"));
+    let contiguous: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_kind(Kind::Float).contiguous()))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = contiguous
         .iter()
         .map(|(n, t)| {
+            // SAFETY: `t` is a contiguous fp32 CPU tensor of numel elements that outlives the
+            // view, and nothing writes to it while the file is written.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, t.numel() * 4) };
+            let shape = t.size().iter().map(|&d| d as usize).collect();
             Ok((
                 n.clone(),
-                t.size().iter().map(|&d| d as usize).collect(),
-                f32_bytes(t)?,
-            ))
-        })
-        .collect::<Result<_>>()?;
-    let views: Vec<(String, safetensors::tensor::TensorView)> = data
-        .iter()
-        .map(|(n, shape, bytes)| {
-            Ok((
-                n.clone(),
-                safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::F32,
-                    shape.clone(),
-                    bytes,
-                )?,
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, bytes)?,
             ))
         })
         .collect::<Result<_>>()?;
@@ -93,7 +92,11 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
         "format".to_string(),
         "pt".to_string(),
     )]));
-    Ok(safetensors::serialize(views, metadata)?)
+    let tmp = temporary_path(path);
+    safetensors::serialize_to_file(views, metadata, &tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
 }
 
 /// config.json as transformers writes it for the trained model: the original keys, plus the
@@ -131,7 +134,7 @@ pub struct ModelFiles<'a> {
 fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
     let mut named: Vec<(String, Tensor)> = files.vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(&named)?)?;
+    write_safetensors(&dir.join("model.safetensors"), &named)?;
     write_atomic(
         &dir.join("config.json"),
         model_config_json(&files.model.config, &files.model.class_name())?.as_bytes(),
@@ -169,7 +172,7 @@ pub fn save_checkpoint(
     }
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     write_model_files(&tmp, files)?;
-    write_atomic(&tmp.join(OPTIMIZER_STATE), &safetensors_bytes(moments)?)?;
+    write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?;
     write_atomic(
         &tmp.join(TRAINER_STATE),
         serde_json::to_string_pretty(state)?.as_bytes(),

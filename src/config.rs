@@ -319,6 +319,9 @@ pub struct RuntimeConfig {
     pub threads: usize,
     /// Seed for head initialisation, dropout and data order.
     pub seed: u64,
+    /// The C allocator under libtorch: "auto" (tcmalloc where installed, else the system's),
+    /// "tcmalloc", "jemalloc" or "system". sprtrain re-executes itself once with it preloaded.
+    pub allocator: Allocator,
 }
 
 impl Default for RuntimeConfig {
@@ -327,8 +330,18 @@ impl Default for RuntimeConfig {
             precision: Precision::Auto,
             threads: 0,
             seed: 42,
+            allocator: Allocator::Auto,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Allocator {
+    Auto,
+    Tcmalloc,
+    Jemalloc,
+    System,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,8 +2,9 @@
 //!
 //! Layout: `cli` (in main.rs) -> `config` -> `train` (the loop) -> {`models`, `data`, `optim`,
 //! `checkpoint`, `metrics`, `qa` (answers from logits), `report`}; `predict` and `sysinfo` serve
-//! the other commands.
+//! the other commands; `allocator` picks the C allocator before any of it runs.
 
+pub mod allocator;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -108,6 +108,7 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
 
 fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {
     let config = Config::load(path, overrides)?;
+    sprtrain::allocator::reexec_with(config.runtime.allocator)?;
     let summary = sprtrain::train::train(&config, resume)?;
     if !summary.root {
         return Ok(());
@@ -170,6 +171,7 @@ fn run(cli: Cli) -> Result<()> {
             output,
         } => {
             let c = Config::load(&config, &overrides)?;
+            sprtrain::allocator::reexec_with(c.runtime.allocator)?;
             if let Some(m) =
                 sprtrain::train::evaluate_saved(&c, model.as_deref(), output.as_deref())?
             {

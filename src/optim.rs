@@ -32,7 +32,8 @@ pub struct Slot {
 pub struct FlatParams {
     /// (N) fp32; every parameter's data is a view into it.
     pub params: Tensor,
-    /// (N) fp32 gradients, filled by [`FlatParams::gather_grads`].
+    /// (N) fp32 gradients: every parameter's `.grad` is a view into it, so backward
+    /// accumulates here directly.
     pub grads: Tensor,
     /// The parameters, in buffer order.
     pub vars: Vec<Tensor>,
@@ -40,6 +41,30 @@ pub struct FlatParams {
     /// (start, len, takes weight decay) pieces of at most 64K elements covering the buffer:
     /// the unit of the fused optimizer's parallel pass.
     chunks: Vec<(usize, usize, bool)>,
+}
+
+/// Makes every variable's `.grad` a view of its slot in `grads`. libtorch's AccumulateGrad
+/// adds into an existing `.grad` in place, so from then on backward writes the flat buffer:
+/// no per-step copy, and no second copy of the gradients in memory. The `.grad` tensors are
+/// created by one backward through zeros, then re-pointed at the buffer.
+fn bind_grads(vars: &[Tensor], slots: &[Slot], grads: &Tensor) {
+    if vars.is_empty() {
+        return;
+    }
+    let zero = vars
+        .iter()
+        .map(|v| (v * 0.0).sum(Kind::Float))
+        .reduce(|a, b| a + b)
+        .unwrap_or_else(|| Tensor::from(0.0f32));
+    zero.backward();
+    for (var, slot) in vars.iter().zip(slots) {
+        let mut grad = var.grad();
+        grad.set_data(
+            &grads
+                .narrow(0, slot.offset, slot.numel)
+                .view(slot.shape.as_slice()),
+        );
+    }
 }
 
 /// transformers' Trainer exempts biases and LayerNorm weights from weight decay.
@@ -87,6 +112,7 @@ impl FlatParams {
             offset += numel;
         }
         let grads = params.zeros_like();
+        bind_grads(&vars, &slots, &grads);
         FlatParams {
             params,
             grads,
@@ -115,18 +141,14 @@ impl FlatParams {
         out
     }
 
-    /// Copies the `.grad` of the parameters in `slots` into `into` (reused), zeros for none.
-    pub fn read_slot_grads(&self, slots: std::ops::Range<usize>, into: &mut Vec<f32>) {
+    /// Copies a range of the flat gradient into `into` (reused).
+    pub fn read_grads(&self, range: std::ops::Range<usize>, into: &mut Vec<f32>) {
         into.clear();
-        for (var, slot) in self.vars[slots.clone()].iter().zip(&self.slots[slots]) {
-            let start = into.len();
-            into.resize(start + slot.numel as usize, 0.0);
-            let g = var.grad();
-            if g.defined() {
-                g.contiguous()
-                    .copy_data(&mut into[start..], slot.numel as usize);
-            }
-        }
+        // SAFETY: a read of a range no libtorch op writes to while the caller holds it (the
+        // caller reads a bucket once backward is past all of its parameters).
+        into.extend_from_slice(unsafe {
+            &f32_slice_mut(&self.grads, self.numel() as usize)[range]
+        });
     }
 
     /// Copies all parameters out (for a broadcast).
@@ -155,26 +177,12 @@ impl FlatParams {
         self.params.numel() as i64
     }
 
-    /// Copies each parameter's `.grad` into the flat gradient (zeros where there is none).
-    pub fn gather_grads(&self) {
-        tch::no_grad(|| {
-            for (var, slot) in self.vars.iter().zip(&self.slots) {
-                let mut dst = self.grads.narrow(0, slot.offset, slot.numel);
-                let g = var.grad();
-                if g.defined() {
-                    dst.copy_(&g.view([-1]));
-                } else {
-                    let _ = dst.zero_();
-                }
-            }
-        });
-    }
-
-    /// Clears the per-parameter gradients for the next accumulation window.
+    /// Clears the gradients for the next accumulation window (one pass over the buffer).
     pub fn zero_grads(&mut self) {
-        for var in &mut self.vars {
-            var.zero_grad();
-        }
+        let mut grads = self.grads.shallow_clone();
+        tch::no_grad(|| {
+            let _ = grads.zero_();
+        });
     }
 
     /// Scales the flat gradient so its L2 norm is at most `max_norm` (as
@@ -430,7 +438,6 @@ mod tests {
         let flat = FlatParams::new(&vs, |_| 0);
         let loss = (&flat.vars[0] * Tensor::from_slice(&[0.5f32, -1.0, 2.0])).sum(Kind::Float);
         loss.backward();
-        flat.gather_grads();
         let mut opt = AdamW::new(
             AdamWConfig {
                 beta1: 0.9,

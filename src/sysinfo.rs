@@ -49,6 +49,33 @@ impl CpuInfo {
     }
 }
 
+/// Seconds since this process started, from /proc (clock-tick resolution, 10 ms): startup as
+/// the user waits for it, dynamic loading of libtorch included.
+pub fn process_age_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state);
+    // field 22 is the start time in clock ticks since boot.
+    let after_name = stat.rsplit_once(')')?.1;
+    let start_ticks: f64 = after_name.split_whitespace().nth(19)?.parse().ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks_per_s > 0.0).then(|| uptime - start_ticks / ticks_per_s)
+}
+
+/// The most resident memory this process has held so far (VmHWM), in MiB.
+pub fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
 pub fn libtorch_version() -> &'static str {
     env!("SPRTRAIN_LIBTORCH_VERSION")
 }

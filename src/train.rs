@@ -83,7 +83,7 @@ impl<'a> GradSync<'a> {
             if self.stages[i] > done {
                 break;
             }
-            flat.read_slot_grads(b.slots.clone(), &mut self.bufs[i]);
+            flat.read_grads(b.elems.clone(), &mut self.bufs[i]);
             let what = format!(
                 "gradient bucket {i} (elements {}..{}) of step {}",
                 b.elems.start, b.elems.end, self.step
@@ -108,7 +108,8 @@ impl<'a> GradSync<'a> {
     }
 }
 
-/// Seeds libtorch's generator for one micro-batch's dropout.
+/// The dropout stream's seed for one micro-batch: the same on every rank for the same
+/// micro-batch of the global batch.
 fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
     (seed
         .wrapping_mul(1_000_003)
@@ -656,7 +657,11 @@ fn set_up_numerics(config: &Config, dist: &Dist) -> Result<models::layers::Autoc
         crate::sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
     tch::set_num_threads(threads.count as i32);
     if dist.is_root() {
-        tracing::info!("precision {precision:?}, {} process(es)", dist.topo.world);
+        tracing::info!(
+            "precision {precision:?}, {} process(es), allocator {}",
+            dist.topo.world,
+            crate::allocator::in_use()
+        );
     }
     tracing::info!("{}", threads.describe(&dist.topo));
     Ok(autocast)
@@ -855,6 +860,23 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         );
     }
 
+    // Everything before the first step is startup: libtorch loading, model, data, optimizer.
+    if root {
+        let startup_s = crate::sysinfo::process_age_s();
+        let unix_time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        if let Some(log) = log.as_mut() {
+            log.write(&json!({
+                "event": "train_begin", "step": state.global_step, "unix_time": unix_time,
+                "startup_s": startup_s,
+            }))?;
+        }
+        if let Some(s) = startup_s {
+            tracing::info!("ready to train {s:.2} s after the process started");
+        }
+    }
+
     // The loop.
     let (mut window_loss, mut window_steps, mut window_samples, mut window_tokens) =
         (0.0, 0usize, 0usize, 0usize);
@@ -885,11 +907,11 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 t_data += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 let micro_index = dist.topo.rank * plan.accumulation + m;
-                tch::manual_seed(dropout_seed(
+                models::layers::seed_dropout(dropout_seed(
                     config.runtime.seed,
                     state.global_step,
                     micro_index,
-                ));
+                ) as u64);
                 // The last micro-batch of a step, with several processes, runs backward stage
                 // by stage so each gradient bucket leaves as soon as it is complete.
                 let staged = distributed && m + 1 == micro.len();
@@ -913,11 +935,6 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                 step_loss += loss.double_value(&[]);
                 t_bwd += t.elapsed().as_secs_f64();
                 step_tokens += real_tokens;
-            }
-            let t = Instant::now();
-            if !distributed {
-                flat.gather_grads();
-                t_opt += t.elapsed().as_secs_f64();
             }
             let t = Instant::now();
             if distributed {
@@ -1024,6 +1041,12 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
         }
     }
     progress.finish();
+    if let Some(log) = log.as_mut() {
+        log.write(&json!({
+            "event": "train_end", "step": state.global_step,
+            "peak_rss_mib": crate::sysinfo::peak_rss_mib(),
+        }))?;
+    }
 
     // The final model at the root, results and plot.
     checkpoint::save_final(&out, &files)?;

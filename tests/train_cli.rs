@@ -346,3 +346,64 @@ fn partial_checkpoints_are_ignored() {
     let found = sprtrain::checkpoint::list_checkpoints(tmp.path()).unwrap();
     assert_eq!(found.iter().map(|f| f.0).collect::<Vec<_>>(), [3]);
 }
+
+/// Where Debian (setup.sh) puts tcmalloc, if it is installed.
+fn system_tcmalloc() -> Option<PathBuf> {
+    [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join("libtcmalloc_minimal.so.4"))
+    .find(|p| p.is_file())
+}
+
+#[test]
+fn tcmalloc_is_preloaded_and_startup_and_peak_memory_are_logged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let tcmalloc = system_tcmalloc();
+    for choice in ["auto", "system"] {
+        let out = tmp.path().join(choice);
+        let extra = format!("allocator = \"{choice}\"\n");
+        let config = write_config(tmp.path(), &data, &out, &extra);
+        let stderr = ok(run(&[
+            "--config",
+            config.to_str().unwrap(),
+            "--set",
+            "train.max_steps=2",
+        ]));
+        let line = stderr
+            .lines()
+            .find(|l| l.contains(", allocator "))
+            .unwrap_or_else(|| panic!("no allocator line:\n{stderr}"));
+        let want = match (choice, &tcmalloc) {
+            ("auto", Some(lib)) => lib.display().to_string(),
+            ("auto", None) => {
+                eprintln!("no libtcmalloc_minimal.so.4 here: auto falls back to the system's");
+                "system".into()
+            }
+            _ => "system".into(),
+        };
+        assert!(line.ends_with(&format!("allocator {want}")), "{line}");
+        // The re-executed process trained with the same arguments.
+        assert_eq!(train_losses(&out).len(), 2);
+        let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let begin = &records[0];
+        assert_eq!(begin["event"], "train_begin");
+        // From exec to the first step: a tiny model loads in well under a minute.
+        let startup = begin["startup_s"].as_f64().unwrap();
+        assert!(startup > 0.0 && startup < 60.0, "{begin}");
+        let end = records.last().unwrap();
+        assert_eq!(end["event"], "train_end");
+        // libtorch alone maps tens of MB; nothing here needs 8 GB.
+        let peak = end["peak_rss_mib"].as_f64().unwrap();
+        assert!(peak > 20.0 && peak < 8192.0, "{end}");
+    }
+}

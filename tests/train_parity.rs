@@ -48,7 +48,6 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
         let out = p.model.forward(&inputs, true);
         let loss = p.model.loss(&out, &Labels::Classes(get("labels"))).unwrap();
         loss.backward();
-        flat.gather_grads();
         flat.clip_grad_norm(hp["max_grad_norm"].as_f64().unwrap());
         let lr = schedule.lr(step);
         assert!(

@@ -8,7 +8,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, Arch, EncoderConfig};
 use super::layers::{
-    activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
+    activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
 };
 use super::{run_stack, Boundary, EncoderInputs};
 
@@ -135,10 +135,11 @@ impl BertLayer {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
+        let (q, k, v) = qkv_projection(x, &self.query, &self.key, &self.value);
         let ctx = multi_head_attention(
-            &self.query.forward(x),
-            &self.key.forward(x),
-            &self.value.forward(x),
+            &q,
+            &k,
+            &v,
             mask,
             self.num_heads,
             self.attention_dropout,

@@ -6,7 +6,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, EncoderConfig};
 use super::layers::{
-    activate, dropout, key_mask, multi_head_attention, Embedding, LayerNorm, Linear,
+    activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
 };
 use super::{run_stack, Boundary, EncoderInputs};
 
@@ -121,10 +121,11 @@ impl TransformerBlock {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
+        let (q, k, v) = qkv_projection(x, &self.q_lin, &self.k_lin, &self.v_lin);
         let ctx = multi_head_attention(
-            &self.q_lin.forward(x),
-            &self.k_lin.forward(x),
-            &self.v_lin.forward(x),
+            &q,
+            &k,
+            &v,
             mask,
             self.num_heads,
             self.attention_dropout,

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""sprtrain against transformers' Trainer on the same work, in one run: scripts/bench.sh.
+
+Rows (issue 6):
+  a  DistilBERT-base QA shapes (random init), seq 384, batch 8, fp32, 2 threads, every window
+     padded to 384: samples/s of each, the ratio, MFU against the fp32 GEMM peak measured here
+  b  XQuAD windows as they come: run_qa.py's default (pad to 384) against sprtrain's default
+     batching (pad to the batch's longest, length grouping): useful (non-pad) tokens/s
+  c  startup: launch to the first training step, measured by this script's clock
+  d  peak resident memory of the row-a process (wait4's ru_maxrss); row a again under
+     glibc's malloc instead of tcmalloc, the allocator lever measured both ways
+  e  one host, seq 128, global batch 16: 1 process x 2 threads against 2 x 1 (sprtrain under
+     mpirun, the reference under torchrun with gloo DDP): throughput ratio, exposed comm %
+  f  bf16 against fp32 at row a's shapes, where the CPU has bf16 units (AMX or AVX512-BF16)
+
+Each training run takes `steps` optimizer steps; the first `warmup` are not measured. A step's
+time is the wall time between consecutive optimizer steps (data, forward, backward,
+optimizer, logging: everything). The markdown table goes to stdout and OUT/bench.md, every
+raw figure to OUT/bench.json.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPRTRAIN = ROOT / "target/release/sprtrain"
+CONFIG = ROOT / "configs/bench/distilbert-qa.toml"
+MODEL_DIR = ROOT / "configs/models/distilbert-base-uncased"
+PYTHON = sys.executable
+
+
+def log(msg: str):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def launch(cmd, log_path: Path, env=None):
+    """Runs cmd to completion; returns (launch unix time, wall s, ru_maxrss MiB)."""
+    env = {**os.environ, **(env or {})}
+    with open(log_path, "w") as out:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.time() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise SystemExit(f"bench: {' '.join(map(str, cmd))} failed ({proc.returncode}):\n{tail}")
+    return t0, wall, usage.ru_maxrss / 1024
+
+
+def cpu_info():
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "?")
+    flags = next((l.split(":", 1)[1].split() for l in text.splitlines() if l.startswith("flags")), [])
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
+    return {"model": model, "logical_cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def gemm_peak(threads: int, kind: str, quick: bool):
+    """GFLOP/s that libtorch's matmul (the same libtorch and BLAS sprtrain links) sustains:
+    the median of repeated products, for a square GEMM and the model's own shapes (batch x
+    seq = 3072 rows); the peak is the best shape's."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[kind]
+    shapes = [(2048, 2048, 2048), (3072, 768, 3072), (3072, 3072, 768), (3072, 768, 768)]
+    best = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        reps = 3 if quick else 8
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+        best[f"{m}x{k}x{n}"] = 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9
+    return max(best.values()), best
+
+
+def model_flops_per_step(batch: int, seq: int) -> float:
+    """Matmul FLOPs of one training step (forward + backward = 3x forward) of DistilBERT-base
+    for QA: 6 per weight per token for the linear layers, 12 B T^2 C per layer for attention's
+    two products; embeddings, norms and activations are not counted (PaLM's convention)."""
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    c, ffn, layers = cfg["dim"], cfg["hidden_dim"], cfg["n_layers"]
+    weights = layers * (4 * c * c + 2 * c * ffn) + 2 * c  # + the QA head
+    return 6.0 * weights * batch * seq + 12.0 * layers * batch * seq * seq * c
+
+
+def measured(values, warmup):
+    return values[warmup:]
+
+
+def sprtrain_run(name, out_dir: Path, sets, steps, procs=1, env=None):
+    run_dir = out_dir / name
+    args = [str(SPRTRAIN), "--config", str(CONFIG), "--set", f"train.output_dir={run_dir}",
+            "--set", f"train.max_steps={steps}", "--set", "train.save_steps=0"]
+    for s in sets:
+        args += ["--set", s]
+    cmd = (["mpirun", "-n", str(procs)] if procs > 1 else []) + args
+    log(f"sprtrain {name}: {' '.join(sets)}" + (f" ({procs} processes)" if procs > 1 else ""))
+    t0, wall, rss = launch(cmd, out_dir / f"{name}.log", env)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "loss" in r]
+    begin = next(r for r in records if r.get("event") == "train_begin")
+    end = next(r for r in records if r.get("event") == "train_end")
+    result = {
+        "launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss,
+        "first_step_unix": begin["unix_time"], "startup_internal_s": begin.get("startup_s"),
+        "peak_rss_mib": end.get("peak_rss_mib"),
+        "losses": [r["loss"] for r in steps_],
+        "comm_exposed_s": [r["time_comm_exposed_s"] for r in steps_],
+        "records": steps_,
+    }
+    shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints: hundreds of MB each
+    return result
+
+
+def sprtrain_steps(result, batch):
+    """(seconds, useful tokens) of each step: a step's record gives samples/s and tokens/s
+    over its own wall time."""
+    out = []
+    for r in result["records"]:
+        wall = batch / r["samples_per_s"]
+        out.append((wall, r["tokens_per_s"] * wall))
+    return out
+
+
+def reference_run(name, out_dir: Path, args, procs=1):
+    out = out_dir / f"{name}.json"
+    cmd = [str(ROOT / "scripts/bench_reference.py"), "--model-dir", str(MODEL_DIR), "--out", str(out).replace(".json", ".{rank}.json")] + args
+    if procs > 1:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] + cmd
+    else:
+        cmd = [PYTHON] + cmd
+    log(f"reference {name}: {' '.join(args)}" + (f" ({procs} processes)" if procs > 1 else ""))
+    t0, wall, rss = launch(cmd, out_dir / f"{name}.log")
+    result = json.loads(Path(str(out).replace(".json", ".0.json")).read_text())
+    result.update({"launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss})
+    return result
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="4 steps a run (1 warm-up) instead of 12 (2)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
+    ap.add_argument("--rows", default="abcdef", help="which rows to run (a-d come from one pair of runs)")
+    args = ap.parse_args()
+    if not args.data.is_file():
+        raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
+    if not SPRTRAIN.is_file():
+        raise SystemExit(f"bench: {SPRTRAIN} not built (scripts/bench.sh builds it)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    steps, warmup = (4, 1) if args.quick else (12, 2)
+    data = str(args.data)
+    cpu = cpu_info()
+    import torch
+    import transformers
+
+    started = time.time()
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "scripts/bench.sh" + (" --quick" if args.quick else ""),
+        "machine": {**cpu, "kernel": platform.release()},
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "reference": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "steps": steps, "warmup": warmup,
+        "rows": {},
+    }
+    rows = report["rows"]
+    base = ["data.train_file=" + data, "runtime.threads=2", "runtime.precision=fp32"]
+    ref_base = ["--train-file", data, "--steps", str(steps)]
+
+    peak, shapes = gemm_peak(2, "fp32", args.quick)
+    report["gemm_fp32_gflops"] = {"peak": peak, "by_shape": shapes}
+    log(f"fp32 GEMM peak, 2 threads: {peak:.1f} GFLOP/s")
+
+    if set("abcd") & set(args.rows):
+        ref = reference_run("a-reference", args.out, ref_base + ["--threads", "2", "--precision", "fp32", "--padding", "max_length"])
+        # The peak again, just before sprtrain's run; MFU uses the higher of the two.
+        again, shapes_again = gemm_peak(2, "fp32", args.quick)
+        report["gemm_fp32_gflops"]["again"] = {"peak": again, "by_shape": shapes_again}
+        peak = max(peak, again)
+        report["gemm_fp32_gflops"]["peak"] = peak
+        log(f"fp32 GEMM peak again: {again:.1f} GFLOP/s; MFU uses {peak:.1f}")
+        ours = sprtrain_run("a-sprtrain", args.out, base, steps)
+        ref_step = mean(measured(ref["step_s"], warmup))
+        our_step = mean([s for s, _ in measured(sprtrain_steps(ours, 8), warmup)])
+        flops = model_flops_per_step(8, 384)
+        rows["a"] = {
+            "reference_step_s": ref_step, "sprtrain_step_s": our_step,
+            "reference_samples_per_s": 8 / ref_step, "sprtrain_samples_per_s": 8 / our_step,
+            "ratio": ref_step / our_step, "model_gflop_per_step": flops / 1e9,
+            "reference_mfu": flops / ref_step / (peak * 1e9), "sprtrain_mfu": flops / our_step / (peak * 1e9),
+            "reference_losses": ref["losses"], "sprtrain_losses": ours["losses"],
+        }
+        # b: the reference's row-a run is run_qa.py's default batching on XQuAD windows.
+        ref_tokens = sum(measured(ref["step_tokens"], warmup)) / sum(measured(ref["step_s"], warmup))
+        dyn = sprtrain_run("b-sprtrain", args.out, base + ["data.pad_to_max_length=false", "data.group_by_length=true"], steps)
+        dyn_steps = measured(sprtrain_steps(dyn, 8), warmup)
+        pad_steps = measured(sprtrain_steps(ours, 8), warmup)
+        our_tokens = sum(t for _, t in dyn_steps) / sum(s for s, _ in dyn_steps)
+        rows["b"] = {
+            "reference_useful_tokens_per_s": ref_tokens, "sprtrain_useful_tokens_per_s": our_tokens,
+            "ratio": our_tokens / ref_tokens,
+            "sprtrain_padded_useful_tokens_per_s": sum(t for _, t in pad_steps) / sum(s for s, _ in pad_steps),
+            "reference_useful_fraction": sum(measured(ref["step_tokens"], warmup)) / (8 * 384 * (steps - warmup)),
+        }
+        rows["c"] = {
+            "reference_s": ref["first_step_unix"] - ref["launch_unix"],
+            "sprtrain_s": ours["first_step_unix"] - ours["launch_unix"],
+            "sprtrain_internal_s": ours["startup_internal_s"],
+        }
+        # The allocator lever, measured both ways: the same run under glibc's malloc.
+        glibc = sprtrain_run("a-sprtrain-glibc", args.out, base + ["runtime.allocator=system"], steps)
+        glibc_step = mean([s for s, _ in measured(sprtrain_steps(glibc, 8), warmup)])
+        rows["allocator"] = {
+            "tcmalloc_samples_per_s": 8 / our_step, "glibc_samples_per_s": 8 / glibc_step,
+            "tcmalloc_mib": ours["ru_maxrss_mib"], "glibc_mib": glibc["ru_maxrss_mib"],
+        }
+        rows["d"] = {
+            "reference_mib": ref["ru_maxrss_mib"], "sprtrain_mib": ours["ru_maxrss_mib"],
+            "ratio": ours["ru_maxrss_mib"] / ref["ru_maxrss_mib"],
+            "reference_vmhwm_mib": ref["peak_rss_mib"], "sprtrain_vmhwm_at_train_end_mib": ours["peak_rss_mib"],
+        }
+
+    if "e" in args.rows:
+        seq = ["model.max_seq_len=128", "qa.doc_stride=32"]
+        ref_seq = ["--max-seq-len", "128", "--doc-stride", "32"]
+        one = sprtrain_run("e-sprtrain-1x2", args.out, base + seq + ["train.batch_size=16"], steps)
+        two = sprtrain_run("e-sprtrain-2x1", args.out, [s for s in base if not s.startswith("runtime.threads")] + seq + ["runtime.threads=1", "train.batch_size=8"], steps, procs=2)
+        r_one = reference_run("e-reference-1x2", args.out, ref_base + ref_seq + ["--threads", "2", "--batch-size", "16"])
+        r_two = reference_run("e-reference-2x1", args.out, ref_base + ref_seq + ["--threads", "1", "--batch-size", "8"], procs=2)
+        s1 = mean([s for s, _ in measured(sprtrain_steps(one, 16), warmup)])
+        s2 = mean([s for s, _ in measured(sprtrain_steps(two, 16), warmup)])
+        t1, t2 = mean(measured(r_one["step_s"], warmup)), mean(measured(r_two["step_s"], warmup))
+        rows["e"] = {
+            "sprtrain_1x2_samples_per_s": 16 / s1, "sprtrain_2x1_samples_per_s": 16 / s2,
+            "sprtrain_ratio": s1 / s2,
+            "reference_1x2_samples_per_s": 16 / t1, "reference_2x1_samples_per_s": 16 / t2,
+            "reference_ratio": t1 / t2,
+            "sprtrain_comm_exposed_pct": 100 * mean(measured(two["comm_exposed_s"], warmup)) / s2,
+        }
+
+    if "f" in args.rows:
+        if not ({"avx512_bf16", "amx_bf16"} & set(cpu["flags"])):
+            rows["f"] = {"skipped": "no AMX/AVX512-BF16"}
+        else:
+            bf_peak, _ = gemm_peak(2, "bf16", args.quick)
+            ours_bf = sprtrain_run("f-sprtrain-bf16", args.out, [s for s in base if "precision" not in s] + ["runtime.precision=bf16"], steps)
+            ref_bf = reference_run("f-reference-bf16", args.out, ref_base + ["--threads", "2", "--precision", "bf16", "--padding", "max_length"])
+            sb = mean([s for s, _ in measured(sprtrain_steps(ours_bf, 8), warmup)])
+            rb = mean(measured(ref_bf["step_s"], warmup))
+            f = {"bf16_gemm_peak_gflops": bf_peak, "sprtrain_bf16_samples_per_s": 8 / sb, "reference_bf16_samples_per_s": 8 / rb,
+                 "ratio": rb / sb, "sprtrain_bf16_losses": ours_bf["losses"], "reference_bf16_losses": ref_bf["losses"]}
+            if "a" in rows:
+                f["sprtrain_speedup_over_fp32"] = rows["a"]["sprtrain_step_s"] / sb
+                f["reference_speedup_over_fp32"] = rows["a"]["reference_step_s"] / rb
+            rows["f"] = f
+
+    report["bench_wall_s"] = time.time() - started
+    table = markdown(report)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "bench.md").write_text(table)
+    print(table)
+    return 0
+
+
+def markdown(rep) -> str:
+    rows, peak = rep["rows"], rep["gemm_fp32_gflops"]["peak"]
+    yes = lambda ok: "yes" if ok else "**no**"
+    lines = [
+        f"sprtrain {rep['commit']} against transformers {rep['reference']['transformers']} Trainer "
+        f"(torch {rep['reference']['torch']}), {rep['date']}, `{rep['command']}` "
+        f"({rep['steps']} steps a run, the first {rep['warmup']} not measured; {rep['bench_wall_s'] / 60:.1f} min)",
+        f"Machine: {rep['machine']['model']}, {rep['machine']['logical_cpus']} logical CPUs, "
+        f"flags {' '.join(rep['machine']['flags'])}; fp32 GEMM peak {peak:.1f} GFLOP/s (2 threads, this run: "
+        "the median rate of the best of four shapes, the higher of two measurements)",
+        "",
+        "| row | measure | sprtrain | reference | sprtrain / reference | target | met |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if "a" in rows:
+        a = rows["a"]
+        lines.append(f"| a | samples/s, DistilBERT-base QA, seq 384, batch 8, fp32, 2 threads, padded | {a['sprtrain_samples_per_s']:.3f} | {a['reference_samples_per_s']:.3f} | {a['ratio']:.2f}x | >= 1.15x | {yes(a['ratio'] >= 1.15)} |")
+        lines.append(f"| a | MFU ({a['model_gflop_per_step']:.0f} GFLOP a step / step time / GEMM peak) | {100 * a['sprtrain_mfu']:.1f}% | {100 * a['reference_mfu']:.1f}% | | >= 85% | {yes(a['sprtrain_mfu'] >= 0.85)} |")
+    if "b" in rows:
+        b = rows["b"]
+        lines.append(f"| b | useful tokens/s, XQuAD windows (sprtrain: dynamic padding + length grouping; reference: run_qa.py's pad to 384, {100 * b['reference_useful_fraction']:.0f}% useful) | {b['sprtrain_useful_tokens_per_s']:.0f} | {b['reference_useful_tokens_per_s']:.0f} | {b['ratio']:.2f}x | >= 2x | {yes(b['ratio'] >= 2)} |")
+    if "c" in rows:
+        c = rows["c"]
+        lines.append(f"| c | startup: launch to first step, s | {c['sprtrain_s']:.2f} | {c['reference_s']:.2f} | {c['sprtrain_s'] / c['reference_s']:.2f}x | <= 1.5 s | {yes(c['sprtrain_s'] <= 1.5)} |")
+    if "d" in rows:
+        d = rows["d"]
+        lines.append(f"| d | peak resident memory of the row-a process, MiB | {d['sprtrain_mib']:.0f} | {d['reference_mib']:.0f} | {d['ratio']:.2f}x | <= 0.7x | {yes(d['ratio'] <= 0.7)} |")
+    if "allocator" in rows:
+        m = rows["allocator"]
+        lines.append(f"| a, d | the same with glibc's malloc instead of tcmalloc (`runtime.allocator = \"system\"`): samples/s, MiB | {m['glibc_samples_per_s']:.3f}, {m['glibc_mib']:.0f} | | | | |")
+    if "e" in rows:
+        e = rows["e"]
+        lines.append(f"| e | samples/s 1 process x 2 threads, seq 128, global batch 16 | {e['sprtrain_1x2_samples_per_s']:.2f} | {e['reference_1x2_samples_per_s']:.2f} | {e['sprtrain_1x2_samples_per_s'] / e['reference_1x2_samples_per_s']:.2f}x | | |")
+        lines.append(f"| e | samples/s 2 processes x 1 thread (mpirun / torchrun gloo DDP) | {e['sprtrain_2x1_samples_per_s']:.2f} | {e['reference_2x1_samples_per_s']:.2f} | {e['sprtrain_2x1_samples_per_s'] / e['reference_2x1_samples_per_s']:.2f}x | | |")
+        ok = e["sprtrain_ratio"] >= 0.95 and e["sprtrain_ratio"] > e["reference_ratio"]
+        lines.append(f"| e | 2x1 / 1x2 throughput (sprtrain: {e['sprtrain_comm_exposed_pct']:.1f}% of a step is exposed communication) | {e['sprtrain_ratio']:.3f} | {e['reference_ratio']:.3f} | | >= 0.95 and above the reference | {yes(ok)} |")
+    if "f" in rows:
+        f = rows["f"]
+        if "skipped" in f:
+            lines.append(f"| f | bf16 against fp32 | skipped: {f['skipped']} | | | | |")
+        else:
+            lines.append(f"| f | samples/s bf16, row a's shapes (bf16 GEMM peak {f['bf16_gemm_peak_gflops']:.0f} GFLOP/s) | {f['sprtrain_bf16_samples_per_s']:.3f} | {f['reference_bf16_samples_per_s']:.3f} | {f['ratio']:.2f}x | | |")
+            if "sprtrain_speedup_over_fp32" in f:
+                lines.append(f"| f | bf16 speed-up over fp32 | {f['sprtrain_speedup_over_fp32']:.2f}x | {f['reference_speedup_over_fp32']:.2f}x | | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

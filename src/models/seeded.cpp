@@ -1,0 +1,244 @@
+// Training-time dropout and attention whose backward passes regenerate the dropout mask from a
+// seed instead of keeping it, and (attention) recompute the softmax probabilities instead of
+// keeping them: the "selective activation recomputation" of Korthikanti et al. (2022), done on
+// CPU. At DistilBERT-base's seq 384 x batch 8, libtorch's math attention path keeps three
+// (B, H, T, T) fp32 tensors per layer (probabilities, dropout mask, dropped probabilities:
+// 170 MB) and draws the mask with bernoulli_ (45 ms per layer); here a layer keeps q, k, v and
+// the mask costs a hash per element. Recomputation adds one (T x T) product per layer.
+//
+// The mask is counter-based: element i of a tensor is kept when a hash of (seed, i) falls
+// below (1 - p) * 2^32, so forward and backward (and any chunking) agree without storing it.
+// Called from Rust through the C functions at the bottom (tensors are tch's at::Tensor*).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Two rounds of a 32-bit integer hash (Wellons' lowbias32) of the element's index, keyed by
+// the seed: 32-bit multiplies, so the mask loop vectorises (AVX2: 8 elements per step).
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t draw(uint32_t key0, uint32_t key1, uint32_t index) {
+  return lowbias32(lowbias32(index ^ key0) + key1);
+}
+
+// dst[j] = src[j] * mask(first + j) for j < n (dst may be src), fp32: the hot loop, compiled
+// for AVX-512, AVX2 and baseline x86-64 and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void mask_f32(const float* src, float* dst, int64_t n, uint32_t first, uint32_t key0,
+              uint32_t key1, uint32_t keep_below, float scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    const bool keep = draw(key0, key1, first + static_cast<uint32_t>(j)) < keep_below;
+    dst[j] = keep ? src[j] * scale : 0.0f;
+  }
+}
+
+struct Mask {
+  uint32_t key0, key1;
+  uint32_t keep_below;  // keep when the draw is below: (1 - p) * 2^32, saturated
+  float scale;          // 1 / (1 - p)
+
+  Mask(double p, int64_t seed)
+      : key0(static_cast<uint32_t>(static_cast<uint64_t>(seed))),
+        key1(static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32)),
+        keep_below(static_cast<uint32_t>(
+            std::min(std::llround((1.0 - p) * 4294967296.0), 4294967295LL))),
+        scale(static_cast<float>(1.0 / (1.0 - p))) {}
+
+  // dst = src * the mask of elements first .. first + numel, both contiguous and of one dtype
+  // (dst may be src). Element numbers are taken modulo 2^32.
+  void apply(const at::Tensor& src, at::Tensor& dst, int64_t first) const {
+    TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "dropout mask needs contiguous tensors");
+    TORCH_CHECK(src.numel() == dst.numel() && src.scalar_type() == dst.scalar_type(),
+                "dropout mask: source and destination differ");
+    const int64_t n = src.numel();
+    const Mask m = *this;
+    if (src.scalar_type() == at::kFloat) {
+      const float* in = src.data_ptr<float>();
+      float* out = dst.data_ptr<float>();
+      at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+        mask_f32(in + begin, out + begin, end - begin, static_cast<uint32_t>(first + begin), m.key0,
+                 m.key1, m.keep_below, m.scale);
+      });
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "seeded_mask", [&] {
+      const scalar_t* in = src.data_ptr<scalar_t>();
+      scalar_t* out = dst.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          const bool keep = draw(m.key0, m.key1, static_cast<uint32_t>(first + j)) < m.keep_below;
+          out[j] = keep ? static_cast<scalar_t>(static_cast<float>(in[j]) * m.scale) : scalar_t(0);
+        }
+      });
+    });
+  }
+
+  void apply(at::Tensor& x, int64_t first) const { apply(x, x, first); }
+};
+
+// x times its dropout mask, in one pass into a new tensor.
+at::Tensor masked_copy(const at::Tensor& x, double p, int64_t seed) {
+  at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty_like(src, at::MemoryFormat::Contiguous);
+  Mask(p, seed).apply(src, out, 0);
+  return out;
+}
+
+struct SeededDropout : public torch::autograd::Function<SeededDropout> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double p, int64_t seed) {
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    return masked_copy(x, p, seed);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double p = ctx->saved_data["p"].toDouble();
+    const int64_t seed = ctx->saved_data["seed"].toInt();
+    return {masked_copy(grads[0], p, seed), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The (T, T) attention block of one (batch, head) pair: scores, softmax, dropout. Small enough
+// to stay in cache; called inside a parallel loop over pairs, so the ATen ops it uses run
+// single-threaded. `first` is the block's first element in the (B, H, T, T) mask numbering.
+struct Block {
+  at::Tensor probs;    // (T, T) fp32 softmax
+  at::Tensor dropped;  // (T, T) probs with dropout applied and rescaled, in q's dtype
+};
+
+Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
+                      double scale, double p, int64_t seed, int64_t first) {
+  // (T, D) q, k; (1, T) bias
+  at::Tensor scores = at::addmm(bias, q, k.t(), 1.0, scale);
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat);
+  at::Tensor dropped = probs;
+  if (p > 0.0) {
+    dropped = at::empty_like(probs);
+    Mask(p, seed).apply(probs, dropped, first);
+  }
+  return {probs, dropped.to(q.scalar_type())};
+}
+
+struct SeededAttention : public torch::autograd::Function<SeededAttention> {
+  // q, k, v: (B, H, T, D); bias: (B, 1, T) additive (0 or a large negative).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in, const at::Tensor& bias, double p,
+                            int64_t seed) {
+    at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    at::Tensor out = at::empty({b, h, t, d}, q.options());
+    at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t i = bh / h, j = bh % h;
+        Block blk = attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * t * t);
+        at::Tensor out_ij = out[i][j];
+        at::mm_out(out_ij, blk.dropped, v[i][j]);
+      }
+    });
+    ctx->save_for_backward({q, k, v, bias});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias = saved[3];
+    const double p = ctx->saved_data["p"].toDouble();
+    const int64_t seed = ctx->saved_data["seed"].toInt();
+    at::Tensor grad_out = grads[0].contiguous();
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    at::Tensor gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+    at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t i = bh / h, j = bh % h;
+        const int64_t first = bh * t * t;
+        at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
+        Block blk = attention_block(q_ij, k_ij, bias[i], scale, p, seed, first);
+        at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
+        at::mm_out(gv_ij, blk.dropped.t(), g);  // (T, D)
+        at::Tensor g_probs = at::mm(g, v[i][j].t()).to(at::kFloat);
+        if (p > 0.0) {
+          Mask(p, seed).apply(g_probs, first);
+        }
+        at::Tensor g_scores =
+            at::_softmax_backward_data(g_probs, blk.probs, -1, at::kFloat).to(q.scalar_type());
+        at::mm_out(gq_ij, g_scores, k_ij);
+        at::mm_out(gk_ij, g_scores.t(), q_ij);
+      }
+    });
+    gq.mul_(scale);
+    gk.mul_(scale);
+    return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+char* copy_message(const char* what) {
+  const size_t n = std::strlen(what) + 1;
+  char* s = static_cast<char*>(std::malloc(n));
+  if (s != nullptr) std::memcpy(s, what, n);
+  return s;
+}
+
+template <typename F>
+at::Tensor* guarded(char** error, F f) {
+  *error = nullptr;
+  try {
+    return new at::Tensor(f());
+  } catch (const std::exception& e) {
+    *error = copy_message(e.what());
+  } catch (...) {
+    *error = copy_message("unknown C++ exception");
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Dropout of x with probability p (0 <= p < 1), the mask drawn from `seed`.
+at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed, char** error) {
+  return guarded(error, [&] { return SeededDropout::apply(*x, p, seed); });
+}
+
+// Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where key_mask (B, 1, 1,
+// T) or (B, T), boolean, is true, with dropout p on the probabilities drawn from `seed`. Returns (B, H, T, D).
+at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
+                                      const at::Tensor* v, const at::Tensor* key_mask, double p,
+                                      int64_t seed, char** error) {
+  return guarded(error, [&] {
+    const int64_t b = key_mask->size(0), t = key_mask->size(-1);
+    // A large finite negative rather than -inf: a row with no key left gets uniform weights,
+    // not NaN (it is in range for bf16 too).
+    at::Tensor bias = at::zeros({b, 1, t}, q->options().requires_grad(false));
+    bias.masked_fill_(key_mask->logical_not().reshape({b, 1, t}), at::Scalar(-3.0e38));
+    return SeededAttention::apply(*q, *k, *v, bias, p, seed);
+  });
+}
+
+void sprtrain_free_error(char* error) { std::free(error); }
+}

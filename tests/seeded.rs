@@ -1,0 +1,150 @@
+//! The seeded dropout and attention kernels (src/models/seeded.cpp): masks that depend only on
+//! the seed, the dropout rate they promise, and attention values and gradients equal to
+//! libtorch's own on the same mask.
+
+use sprtrain::models::layers::{key_mask, seeded_attention, seeded_dropout};
+use tch::{Kind, Tensor};
+
+const CPU: tch::Device = tch::Device::Cpu;
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[])
+}
+
+fn leaf(shape: &[i64], kind: Kind) -> Tensor {
+    Tensor::randn(shape, (Kind::Float, CPU))
+        .to_kind(kind)
+        .set_requires_grad(true)
+}
+
+#[test]
+fn dropout_mask_is_seeded_scaled_and_at_the_promised_rate() {
+    let n = 1_000_000i64;
+    let ones = Tensor::ones([n], (Kind::Float, CPU));
+    let p = 0.1;
+    let a = seeded_dropout(&ones, p, 7);
+    let values: Vec<f32> = Vec::try_from(&a).unwrap();
+    let scale = (1.0 / (1.0 - p)) as f32;
+    assert!(values.iter().all(|&v| v == 0.0 || v == scale));
+    // Kept fraction: binomial(1e6, 0.9) has sd 3e-4; 5 sd is 1.5e-3.
+    let kept = values.iter().filter(|&&v| v != 0.0).count() as f64 / n as f64;
+    assert!((kept - 0.9).abs() < 1.5e-3, "kept {kept}");
+    // The same seed gives the same mask; another seed an unrelated one (agreement of two
+    // independent masks: 0.9^2 + 0.1^2 = 0.82).
+    assert_eq!(max_abs_diff(&a, &seeded_dropout(&ones, p, 7)), 0.0);
+    let b = seeded_dropout(&ones, p, 8);
+    let agree = a
+        .eq_tensor(&b)
+        .to_kind(Kind::Float)
+        .mean(Kind::Float)
+        .double_value(&[]);
+    assert!((agree - 0.82).abs() < 3e-3, "agreement {agree}");
+}
+
+#[test]
+fn dropout_gradient_is_the_same_mask() {
+    let x = leaf(&[64, 96], Kind::Float);
+    let w = Tensor::randn([64, 96], (Kind::Float, CPU));
+    let y = seeded_dropout(&x, 0.25, 11);
+    (&y * &w).sum(Kind::Float).backward();
+    let mask = seeded_dropout(&Tensor::ones([64, 96], (Kind::Float, CPU)), 0.25, 11);
+    // y = x * mask exactly (one multiply each), and dy/dx = mask.
+    assert!(max_abs_diff(&y, &(&x * &mask)) < 1e-6);
+    assert!(max_abs_diff(&x.grad(), &(&w * &mask)) < 1e-6);
+}
+
+/// Plain attention through libtorch's autograd: softmax(q k^T / sqrt(d) + bias) * mask @ v.
+fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, keys: &Tensor, mask: &Tensor) -> Tensor {
+    let d = q.size()[3] as f64;
+    let scores = q.matmul(&k.transpose(-2, -1)) / d.sqrt();
+    let scores = scores.masked_fill(&keys.logical_not(), f64::NEG_INFINITY);
+    (scores.softmax(-1, Kind::Float) * mask).matmul(v)
+}
+
+/// Values and gradients of the seeded attention against the reference on the same mask.
+fn compare(p: f64, kind: Kind, tolerance: f64) {
+    let (b, h, t, d) = (3, 4, 37, 16);
+    let (q, k, v) = (
+        leaf(&[b, h, t, d], kind),
+        leaf(&[b, h, t, d], kind),
+        leaf(&[b, h, t, d], kind),
+    );
+    // Padding: sequence lengths 37, 20 and 5.
+    let lengths = Tensor::from_slice(&[37i64, 20, 5]).view([b, 1]);
+    let keys = key_mask(
+        &Tensor::arange(t, (Kind::Int64, CPU))
+            .view([1, t])
+            .lt_tensor(&lengths),
+    );
+    let grad_out = Tensor::randn([b, h, t, d], (Kind::Float, CPU));
+    let seed = 1234;
+    let out = seeded_attention(&q, &k, &v, &keys, p, seed);
+    (&out.to_kind(Kind::Float) * &grad_out)
+        .sum(Kind::Float)
+        .backward();
+    let got: Vec<Tensor> = [&q, &k, &v].iter().map(|x| x.grad().copy()).collect();
+
+    let (q32, k32, v32) = (
+        q.detach().to_kind(Kind::Float).set_requires_grad(true),
+        k.detach().to_kind(Kind::Float).set_requires_grad(true),
+        v.detach().to_kind(Kind::Float).set_requires_grad(true),
+    );
+    // Element i of the (B, H, T, T) probabilities meets element i of the dropout mask.
+    let mask = if p > 0.0 {
+        seeded_dropout(&Tensor::ones([b, h, t, t], (Kind::Float, CPU)), p, seed)
+    } else {
+        Tensor::ones([b, h, t, t], (Kind::Float, CPU))
+    };
+    let want = reference_attention(&q32, &k32, &v32, &keys, &mask);
+    (&want * &grad_out).sum(Kind::Float).backward();
+    assert!(
+        max_abs_diff(&out, &want) < tolerance,
+        "output differs by {}",
+        max_abs_diff(&out, &want)
+    );
+    for (name, g, w) in [
+        ("q", &got[0], &q32),
+        ("k", &got[1], &k32),
+        ("v", &got[2], &v32),
+    ] {
+        let diff = max_abs_diff(g, &w.grad());
+        assert!(diff < tolerance, "gradient of {name} differs by {diff}");
+    }
+}
+
+#[test]
+fn attention_without_dropout_equals_plain_attention() {
+    // fp32, the same operations in another order: float rounding only.
+    compare(0.0, Kind::Float, 1e-5);
+}
+
+#[test]
+fn attention_with_dropout_equals_plain_attention_on_the_same_mask() {
+    compare(0.1, Kind::Float, 1e-5);
+    compare(0.5, Kind::Float, 1e-5);
+}
+
+#[test]
+fn attention_in_bf16_stays_close_to_fp32() {
+    // bf16 inputs and products (8 mantissa bits: relative 4e-3 per rounding) against the fp32
+    // reference on the same bf16 values; softmax is fp32 in both.
+    compare(0.1, Kind::BFloat16, 0.1);
+}
+
+#[test]
+fn the_model_dropout_stream_is_reproducible() {
+    use sprtrain::models::layers::{dropout, seed_dropout};
+    let x = Tensor::ones([1000], (Kind::Float, CPU));
+    seed_dropout(5);
+    let (a1, a2) = (dropout(&x, 0.1, true), dropout(&x, 0.1, true));
+    seed_dropout(5);
+    let (b1, b2) = (dropout(&x, 0.1, true), dropout(&x, 0.1, true));
+    assert_eq!(max_abs_diff(&a1, &b1), 0.0);
+    assert_eq!(max_abs_diff(&a2, &b2), 0.0);
+    // Successive masks of one stream differ, and evaluation draws none.
+    assert!(max_abs_diff(&a1, &a2) > 0.0);
+    assert_eq!(max_abs_diff(&dropout(&x, 0.1, false), &x), 0.0);
+}
