@@ -93,8 +93,12 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
         "pt".to_string(),
     )]));
     let tmp = temporary_path(path);
-    safetensors::serialize_to_file(views, metadata, &tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    if let Err(e) = safetensors::serialize_to_file(views, metadata, &tmp) {
+        // No half-written file left behind (e.g. a full disk). The error's Display already
+        // includes its io::Error: format it once.
+        let _ = std::fs::remove_file(&tmp);
+        bail!("cannot write {}: {e}", tmp.display());
+    }
     std::fs::rename(&tmp, path)
         .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
 }
@@ -247,4 +251,42 @@ pub fn resume_dir(output_dir: &Path, spec: &str) -> Result<PathBuf> {
         bail!("--resume {spec}: not a checkpoint directory (no {TRAINER_STATE})");
     }
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn safetensors_are_written_from_tensor_memory_and_read_back_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let a = Tensor::from_slice(&[1.5f32, -2.0, 3.25, 0.0, 7.0, -0.5]).view([2, 3]);
+        // A non-contiguous view and a non-fp32 tensor are written as contiguous fp32.
+        let b = Tensor::from_slice(&[1i64, 2, 3, 4])
+            .view([2, 2])
+            .transpose(0, 1);
+        write_safetensors(&path, &[("a".into(), a.shallow_clone()), ("b".into(), b)]).unwrap();
+        let back = crate::models::weights::read_safetensors(&path).unwrap();
+        let get = |n: &str| -> Vec<f32> {
+            let t = &back.iter().find(|(k, _)| k == n).unwrap().1;
+            Vec::try_from(t.view([-1])).unwrap()
+        };
+        assert_eq!(get("a"), vec![1.5, -2.0, 3.25, 0.0, 7.0, -0.5]);
+        assert_eq!(get("b"), vec![1.0, 3.0, 2.0, 4.0]);
+        assert!(!temporary_path(&path).exists());
+    }
+
+    #[test]
+    fn a_failed_write_says_why_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing").join("t.safetensors");
+        let t = Tensor::from_slice(&[1.0f32]);
+        let err = format!(
+            "{:#}",
+            write_safetensors(&path, &[("t".into(), t)]).unwrap_err()
+        );
+        assert!(err.starts_with("cannot write "), "{err}");
+        assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    }
 }
