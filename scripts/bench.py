@@ -40,12 +40,11 @@ def log(msg: str):
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def launch(cmd, log_path: Path, env=None):
+def launch(cmd, log_path: Path):
     """Runs cmd to completion; returns (launch unix time, wall s, ru_maxrss MiB)."""
-    env = {**os.environ, **(env or {})}
     with open(log_path, "w") as out:
         t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.time() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -97,11 +96,18 @@ def model_flops_per_step(batch: int, seq: int) -> float:
     return 6.0 * weights * batch * seq + 12.0 * layers * batch * seq * seq * c
 
 
-def measured(values, warmup):
-    return values[warmup:]
+def mean_step_s(run, warmup):
+    """Mean seconds of the measured steps of a run (either side's result)."""
+    return mean(run["step_s"][warmup:])
 
 
-def sprtrain_run(name, out_dir: Path, sets, steps, procs=1, env=None):
+def useful_tokens_per_s(run, warmup):
+    return sum(run["step_tokens"][warmup:]) / sum(run["step_s"][warmup:])
+
+
+def sprtrain_run(name, out_dir: Path, sets, steps, batch, procs=1):
+    """One sprtrain training run; the result has the reference's keys (step_s, step_tokens,
+    first_step_unix, losses) plus sprtrain's own figures."""
     run_dir = out_dir / name
     args = [str(SPRTRAIN), "--config", str(CONFIG), "--set", f"train.output_dir={run_dir}",
             "--set", f"train.max_steps={steps}", "--set", "train.save_steps=0"]
@@ -109,31 +115,24 @@ def sprtrain_run(name, out_dir: Path, sets, steps, procs=1, env=None):
         args += ["--set", s]
     cmd = (["mpirun", "-n", str(procs)] if procs > 1 else []) + args
     log(f"sprtrain {name}: {' '.join(sets)}" + (f" ({procs} processes)" if procs > 1 else ""))
-    t0, wall, rss = launch(cmd, out_dir / f"{name}.log", env)
+    t0, wall, rss = launch(cmd, out_dir / f"{name}.log")
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in records if "loss" in r]
+    # A step's record gives samples/s and tokens/s over its own wall time.
+    step_s = [batch / r["samples_per_s"] for r in steps_]
     begin = next(r for r in records if r.get("event") == "train_begin")
     end = next(r for r in records if r.get("event") == "train_end")
     result = {
         "launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss,
         "first_step_unix": begin["unix_time"], "startup_internal_s": begin.get("startup_s"),
         "peak_rss_mib": end.get("peak_rss_mib"),
+        "step_s": step_s,
+        "step_tokens": [r["tokens_per_s"] * s for r, s in zip(steps_, step_s)],
         "losses": [r["loss"] for r in steps_],
         "comm_exposed_s": [r["time_comm_exposed_s"] for r in steps_],
-        "records": steps_,
     }
     shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints: hundreds of MB each
     return result
-
-
-def sprtrain_steps(result, batch):
-    """(seconds, useful tokens) of each step: a step's record gives samples/s and tokens/s
-    over its own wall time."""
-    out = []
-    for r in result["records"]:
-        wall = batch / r["samples_per_s"]
-        out.append((wall, r["tokens_per_s"] * wall))
-    return out
 
 
 def reference_run(name, out_dir: Path, args, procs=1):
@@ -198,9 +197,8 @@ def main() -> int:
         peak = max(peak, again)
         report["gemm_fp32_gflops"]["peak"] = peak
         log(f"fp32 GEMM peak again: {again:.1f} GFLOP/s; MFU uses {peak:.1f}")
-        ours = sprtrain_run("a-sprtrain", args.out, base, steps)
-        ref_step = mean(measured(ref["step_s"], warmup))
-        our_step = mean([s for s, _ in measured(sprtrain_steps(ours, 8), warmup)])
+        ours = sprtrain_run("a-sprtrain", args.out, base, steps, 8)
+        ref_step, our_step = mean_step_s(ref, warmup), mean_step_s(ours, warmup)
         flops = model_flops_per_step(8, 384)
         rows["a"] = {
             "reference_step_s": ref_step, "sprtrain_step_s": our_step,
@@ -210,16 +208,14 @@ def main() -> int:
             "reference_losses": ref["losses"], "sprtrain_losses": ours["losses"],
         }
         # b: the reference's row-a run is run_qa.py's default batching on XQuAD windows.
-        ref_tokens = sum(measured(ref["step_tokens"], warmup)) / sum(measured(ref["step_s"], warmup))
-        dyn = sprtrain_run("b-sprtrain", args.out, base + ["data.pad_to_max_length=false", "data.group_by_length=true"], steps)
-        dyn_steps = measured(sprtrain_steps(dyn, 8), warmup)
-        pad_steps = measured(sprtrain_steps(ours, 8), warmup)
-        our_tokens = sum(t for _, t in dyn_steps) / sum(s for s, _ in dyn_steps)
+        ref_tokens = useful_tokens_per_s(ref, warmup)
+        dyn = sprtrain_run("b-sprtrain", args.out, base + ["data.pad_to_max_length=false", "data.group_by_length=true"], steps, 8)
+        our_tokens = useful_tokens_per_s(dyn, warmup)
         rows["b"] = {
             "reference_useful_tokens_per_s": ref_tokens, "sprtrain_useful_tokens_per_s": our_tokens,
             "ratio": our_tokens / ref_tokens,
-            "sprtrain_padded_useful_tokens_per_s": sum(t for _, t in pad_steps) / sum(s for s, _ in pad_steps),
-            "reference_useful_fraction": sum(measured(ref["step_tokens"], warmup)) / (8 * 384 * (steps - warmup)),
+            "sprtrain_padded_useful_tokens_per_s": useful_tokens_per_s(ours, warmup),
+            "reference_useful_fraction": sum(ref["step_tokens"][warmup:]) / (8 * 384 * (steps - warmup)),
         }
         rows["c"] = {
             "reference_s": ref["first_step_unix"] - ref["launch_unix"],
@@ -227,8 +223,8 @@ def main() -> int:
             "sprtrain_internal_s": ours["startup_internal_s"],
         }
         # The allocator lever, measured both ways: the same run under glibc's malloc.
-        glibc = sprtrain_run("a-sprtrain-glibc", args.out, base + ["runtime.allocator=system"], steps)
-        glibc_step = mean([s for s, _ in measured(sprtrain_steps(glibc, 8), warmup)])
+        glibc = sprtrain_run("a-sprtrain-glibc", args.out, base + ["runtime.allocator=system"], steps, 8)
+        glibc_step = mean_step_s(glibc, warmup)
         rows["allocator"] = {
             "tcmalloc_samples_per_s": 8 / our_step, "glibc_samples_per_s": 8 / glibc_step,
             "tcmalloc_mib": ours["ru_maxrss_mib"], "glibc_mib": glibc["ru_maxrss_mib"],
@@ -242,19 +238,18 @@ def main() -> int:
     if "e" in args.rows:
         seq = ["model.max_seq_len=128", "qa.doc_stride=32"]
         ref_seq = ["--max-seq-len", "128", "--doc-stride", "32"]
-        one = sprtrain_run("e-sprtrain-1x2", args.out, base + seq + ["train.batch_size=16"], steps)
-        two = sprtrain_run("e-sprtrain-2x1", args.out, [s for s in base if not s.startswith("runtime.threads")] + seq + ["runtime.threads=1", "train.batch_size=8"], steps, procs=2)
+        one = sprtrain_run("e-sprtrain-1x2", args.out, base + seq + ["train.batch_size=16"], steps, 16)
+        two = sprtrain_run("e-sprtrain-2x1", args.out, [s for s in base if not s.startswith("runtime.threads")] + seq + ["runtime.threads=1", "train.batch_size=8"], steps, 16, procs=2)
         r_one = reference_run("e-reference-1x2", args.out, ref_base + ref_seq + ["--threads", "2", "--batch-size", "16"])
         r_two = reference_run("e-reference-2x1", args.out, ref_base + ref_seq + ["--threads", "1", "--batch-size", "8"], procs=2)
-        s1 = mean([s for s, _ in measured(sprtrain_steps(one, 16), warmup)])
-        s2 = mean([s for s, _ in measured(sprtrain_steps(two, 16), warmup)])
-        t1, t2 = mean(measured(r_one["step_s"], warmup)), mean(measured(r_two["step_s"], warmup))
+        s1, s2 = mean_step_s(one, warmup), mean_step_s(two, warmup)
+        t1, t2 = mean_step_s(r_one, warmup), mean_step_s(r_two, warmup)
         rows["e"] = {
             "sprtrain_1x2_samples_per_s": 16 / s1, "sprtrain_2x1_samples_per_s": 16 / s2,
             "sprtrain_ratio": s1 / s2,
             "reference_1x2_samples_per_s": 16 / t1, "reference_2x1_samples_per_s": 16 / t2,
             "reference_ratio": t1 / t2,
-            "sprtrain_comm_exposed_pct": 100 * mean(measured(two["comm_exposed_s"], warmup)) / s2,
+            "sprtrain_comm_exposed_pct": 100 * mean(two["comm_exposed_s"][warmup:]) / s2,
         }
 
     if "f" in args.rows:
@@ -262,10 +257,9 @@ def main() -> int:
             rows["f"] = {"skipped": "no AMX/AVX512-BF16"}
         else:
             bf_peak, _ = gemm_peak(2, "bf16", args.quick)
-            ours_bf = sprtrain_run("f-sprtrain-bf16", args.out, [s for s in base if "precision" not in s] + ["runtime.precision=bf16"], steps)
+            ours_bf = sprtrain_run("f-sprtrain-bf16", args.out, [s for s in base if "precision" not in s] + ["runtime.precision=bf16"], steps, 8)
             ref_bf = reference_run("f-reference-bf16", args.out, ref_base + ["--threads", "2", "--precision", "bf16", "--padding", "max_length"])
-            sb = mean([s for s, _ in measured(sprtrain_steps(ours_bf, 8), warmup)])
-            rb = mean(measured(ref_bf["step_s"], warmup))
+            sb, rb = mean_step_s(ours_bf, warmup), mean_step_s(ref_bf, warmup)
             f = {"bf16_gemm_peak_gflops": bf_peak, "sprtrain_bf16_samples_per_s": 8 / sb, "reference_bf16_samples_per_s": 8 / rb,
                  "ratio": rb / sb, "sprtrain_bf16_losses": ours_bf["losses"], "reference_bf16_losses": ref_bf["losses"]}
             if "a" in rows:

@@ -7,7 +7,7 @@
 //! hand.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::config::Allocator;
 
@@ -101,7 +101,7 @@ pub fn reexec_with(choice: Allocator) -> anyhow::Result<()> {
     tracing::warn!(
         "could not re-execute {} with {} preloaded ({err}); using the system allocator",
         exe.display(),
-        Path::new(&lib).display()
+        lib.display()
     );
     Ok(())
 }

@@ -48,14 +48,13 @@ pub struct FlatParams {
 /// no per-step copy, and no second copy of the gradients in memory. The `.grad` tensors are
 /// created by one backward through zeros, then re-pointed at the buffer.
 fn bind_grads(vars: &[Tensor], slots: &[Slot], grads: &Tensor) {
-    if vars.is_empty() {
-        return;
-    }
-    let zero = vars
+    let Some(zero) = vars
         .iter()
         .map(|v| (v * 0.0).sum(Kind::Float))
         .reduce(|a, b| a + b)
-        .unwrap_or_else(|| Tensor::from(0.0f32));
+    else {
+        return;
+    };
     zero.backward();
     for (var, slot) in vars.iter().zip(slots) {
         let mut grad = var.grad();

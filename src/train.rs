@@ -110,11 +110,9 @@ impl<'a> GradSync<'a> {
 
 /// The dropout stream's seed for one micro-batch: the same on every rank for the same
 /// micro-batch of the global batch.
-fn dropout_seed(seed: u64, step: usize, micro: usize) -> i64 {
-    (seed
-        .wrapping_mul(1_000_003)
+fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
+    seed.wrapping_mul(1_000_003)
         .wrapping_add(step as u64 * 4096 + micro as u64)
-        & 0x7fff_ffff_ffff_ffff) as i64
 }
 
 /// Evaluation data, tokenized.
@@ -911,7 +909,7 @@ fn train_on(config: &Config, resume: Option<&str>, dist: &Dist) -> Result<Summar
                     config.runtime.seed,
                     state.global_step,
                     micro_index,
-                ) as u64);
+                ));
                 // The last micro-batch of a step, with several processes, runs backward stage
                 // by stage so each gradient bucket leaves as soon as it is complete.
                 let staged = distributed && m + 1 == micro.len();

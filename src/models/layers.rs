@@ -271,10 +271,7 @@ impl Embedding {
     }
 
     pub fn forward(&self, ids: &Tensor) -> Tensor {
-        // A sparse gradient (the looked-up rows only): backward adds B x T rows into the
-        // (V, C) gradient instead of building a dense (V, C) tensor and adding all of it.
-        let sparse = false;
-        Tensor::embedding(&self.weight, ids, self.padding_idx, false, sparse)
+        Tensor::embedding(&self.weight, ids, self.padding_idx, false, false)
     }
 }
 
