@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use sprtrain::models::{self, Task};
+use sprtrain::models::{self, Head};
 use sprtrain::optim::{AdamW, AdamWConfig, FlatParams};
 use tch::{Kind, Tensor};
 
@@ -21,7 +21,7 @@ fn main() -> Result<()> {
     tch::set_num_threads(threads);
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("configs/models/distilbert-base-uncased");
-    let model = models::from_config(&dir, Task::QuestionAnswering, |_| Ok(()), 42)?;
+    let model = models::from_config(&dir, Head::QuestionAnswering, |_| Ok(()), 42)?;
     let flat = FlatParams::new(&model.vs, |name| model.model.backward_stage(name));
     let n = flat.numel();
     // Gradients of a typical scale, written where backward would write them.

@@ -9,25 +9,19 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
+use crate::atomic_file::{write_atomic, write_atomic_with};
+use crate::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
 use crate::models::{EncoderConfig, TaskModel};
+use crate::optim::AdamW;
 
 pub const TRAINER_STATE: &str = "trainer_state.json";
 pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
 pub const RESOLVED_CONFIG: &str = "sprtrain.toml";
 const PREFIX: &str = "checkpoint-";
-/// Tokenizer files copied into every saved model directory (tokenizer.json is required).
-const TOKENIZER_FILES: [&str; 6] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-];
 
 /// Where training stands; enough, with the optimizer moments, to continue exactly.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -46,22 +40,19 @@ pub struct TrainerState {
     pub log_history: Vec<serde_json::Value>,
 }
 
-/// Where `path` is written before it is renamed into place.
-fn temporary_path(path: &Path) -> PathBuf {
-    path.with_file_name(format!(
-        ".{}.partial",
-        path.file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default()
-    ))
-}
-
-/// Writes bytes to `path` through a temporary file and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temporary_path(path);
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+impl TrainerState {
+    /// The state before the first step of a run of `total_steps` over parameters `layout`.
+    pub fn start(layout: Vec<(String, i64)>, total_steps: usize) -> Self {
+        TrainerState {
+            global_step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            total_steps,
+            optimizer_step: 0,
+            layout,
+            log_history: Vec::new(),
+        }
+    }
 }
 
 /// Writes named tensors as fp32 safetensors with transformers' `format: pt` metadata,
@@ -92,15 +83,11 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
         "format".to_string(),
         "pt".to_string(),
     )]));
-    let tmp = temporary_path(path);
-    if let Err(e) = safetensors::serialize_to_file(views, metadata, &tmp) {
-        // No half-written file left behind (e.g. a full disk). The error's Display already
-        // includes its io::Error: format it once.
-        let _ = std::fs::remove_file(&tmp);
-        bail!("cannot write {}: {e}", tmp.display());
-    }
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+    write_atomic_with(path, |tmp| {
+        // The error's Display already includes its io::Error: format it once.
+        safetensors::serialize_to_file(views, metadata, tmp)
+            .map_err(|e| anyhow!("cannot write {}: {e}", tmp.display()))
+    })
 }
 
 /// config.json as transformers writes it for the trained model: the original keys, plus the
@@ -138,16 +125,16 @@ pub struct ModelFiles<'a> {
 fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
     let mut named: Vec<(String, Tensor)> = files.vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    write_safetensors(&dir.join("model.safetensors"), &named)?;
+    write_safetensors(&dir.join(SINGLE_FILE), &named)?;
     write_atomic(
-        &dir.join("config.json"),
+        &dir.join(CONFIG_FILE),
         model_config_json(&files.model.config, &files.model.class_name())?.as_bytes(),
     )?;
     // tokenizer.json plus the side files AutoTokenizer reads, where the source model has them.
     let source = files.tokenizer_json.parent().unwrap_or(Path::new("."));
     for name in TOKENIZER_FILES {
         let src = source.join(name);
-        if name == "tokenizer.json" || src.is_file() {
+        if name == TOKENIZER_FILE || src.is_file() {
             let bytes =
                 std::fs::read(&src).with_context(|| format!("cannot read {}", src.display()))?;
             write_atomic(&dir.join(name), &bytes)?;
@@ -238,6 +225,40 @@ pub fn load_training_state(dir: &Path) -> Result<(TrainerState, BTreeMap<String,
     Ok((state, moments))
 }
 
+/// Restores the optimizer from checkpoint `dir` and returns where training stood there.
+/// `layout` is this run's flat-buffer layout, which must be the checkpoint's; `total_steps`
+/// is this run's plan (a changed plan is warned about and followed).
+pub fn resume(
+    dir: &Path,
+    adamw: &mut AdamW,
+    layout: &[(String, i64)],
+    total_steps: usize,
+) -> Result<TrainerState> {
+    let (saved, moments) = load_training_state(dir)?;
+    if saved.layout != layout {
+        bail!(
+            "{}: the checkpoint's parameters differ from this config's model",
+            dir.display()
+        );
+    }
+    adamw.restore(&moments, saved.optimizer_step, dir)?;
+    if saved.total_steps != total_steps {
+        tracing::warn!(
+            "resuming with {total_steps} total steps; the checkpoint planned {}",
+            saved.total_steps
+        );
+    }
+    tracing::info!(
+        "resumed from {} at step {}",
+        dir.display(),
+        saved.global_step
+    );
+    Ok(TrainerState {
+        total_steps,
+        ..saved
+    })
+}
+
 /// Resolves `--resume latest|PATH` against the output directory.
 pub fn resume_dir(output_dir: &Path, spec: &str) -> Result<PathBuf> {
     if spec == "latest" {
@@ -274,7 +295,7 @@ mod tests {
         };
         assert_eq!(get("a"), vec![1.5, -2.0, 3.25, 0.0, 7.0, -0.5]);
         assert_eq!(get("b"), vec![1.0, 3.0, 2.0, 4.0]);
-        assert!(!temporary_path(&path).exists());
+        assert!(!crate::atomic_file::temporary_path(&path).exists());
     }
 
     #[test]

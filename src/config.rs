@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::models::{Head, ProblemType};
 use crate::sysinfo::CpuInfo;
 
 /// Everything a run needs, as resolved from the file and `--set` overrides.
@@ -91,15 +92,7 @@ impl Default for DistConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DataFormat {
-    Auto,
-    Csv,
-    Tsv,
-    Jsonl,
-    Parquet,
-}
+pub use crate::data::classification::DataFormat;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -268,7 +261,7 @@ pub struct ModelConfig {
     pub num_labels: usize,
     /// Sequence classification loss: "auto" (as transformers infers it), "single_label_classification",
     /// "multi_label_classification" or "regression".
-    pub problem_type: String,
+    pub problem_type: ProblemTypeSetting,
     /// Tokens per example including special tokens; longer inputs are truncated.
     pub max_seq_len: usize,
     /// Build the model from config.json alone, randomly initialised as transformers does (for
@@ -289,7 +282,7 @@ impl Default for ModelConfig {
             revision: "main".into(),
             task: TaskName::SeqCls,
             num_labels: 0,
-            problem_type: "auto".into(),
+            problem_type: ProblemTypeSetting::Auto,
             max_seq_len: 128,
             random_init: false,
             tokenizer_file: String::new(),
@@ -298,14 +291,57 @@ impl Default for ModelConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// What a run trains; each name is one module of `crate::tasks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 pub enum TaskName {
+    /// Sequence classification or regression (`*ForSequenceClassification`).
     #[serde(rename = "seq-cls")]
+    #[value(name = "seq-cls")]
     SeqCls,
+    /// Extractive question answering (`*ForQuestionAnswering`).
     #[serde(rename = "qa")]
+    #[value(name = "qa")]
     Qa,
+    /// Masked language modelling (`*ForMaskedLM`).
     #[serde(rename = "mlm")]
+    #[value(name = "mlm")]
     Mlm,
+}
+
+impl TaskName {
+    /// The transformers head this task trains and predicts with: the one place a task maps
+    /// to a head.
+    pub fn head(self) -> Head {
+        match self {
+            TaskName::SeqCls => Head::SequenceClassification,
+            TaskName::Qa => Head::QuestionAnswering,
+            TaskName::Mlm => Head::MaskedLm,
+        }
+    }
+}
+
+/// `model.problem_type`: which loss a sequence-classification head trains with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProblemTypeSetting {
+    /// As transformers infers it: regression for one label, else single-label classification.
+    Auto,
+    SingleLabelClassification,
+    MultiLabelClassification,
+    Regression,
+}
+
+impl ProblemTypeSetting {
+    /// The problem type of a head with `num_labels` labels (0: not fixed by the config).
+    pub fn resolve(self, num_labels: usize) -> ProblemType {
+        match self {
+            ProblemTypeSetting::Auto if num_labels == 1 => ProblemType::Regression,
+            ProblemTypeSetting::Auto => ProblemType::SingleLabel,
+            ProblemTypeSetting::SingleLabelClassification => ProblemType::SingleLabel,
+            ProblemTypeSetting::MultiLabelClassification => ProblemType::MultiLabel,
+            ProblemTypeSetting::Regression => ProblemType::Regression,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -467,10 +503,6 @@ impl Config {
         if q.n_best_size == 0 || q.max_answer_length == 0 {
             bail!("qa.n_best_size and qa.max_answer_length must be at least 1");
         }
-        if self.model.problem_type != "auto" {
-            crate::models::ProblemType::parse(&self.model.problem_type)
-                .context("model.problem_type")?;
-        }
         Ok(())
     }
 
@@ -536,6 +568,27 @@ mod tests {
         );
         let err = Config::from_toml_str("[model\n", &[]).unwrap_err();
         assert!(err.to_string().starts_with("line 1:"), "{err}");
+    }
+
+    #[test]
+    fn problem_type_is_typed_and_resolved_as_transformers_infers_it() {
+        let c = Config::from_toml_str("[model]\nproblem_type = \"regression\"\n", &[]).unwrap();
+        assert_eq!(c.model.problem_type, ProblemTypeSetting::Regression);
+        let err =
+            Config::from_toml_str("[model]\nproblem_type = \"regresion\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("model.problem_type: unknown variant"),
+            "{err}"
+        );
+        let auto = ProblemTypeSetting::Auto;
+        assert_eq!(auto.resolve(1), ProblemType::Regression);
+        assert_eq!(auto.resolve(0), ProblemType::SingleLabel);
+        assert_eq!(auto.resolve(3), ProblemType::SingleLabel);
+        assert_eq!(
+            ProblemTypeSetting::MultiLabelClassification.resolve(1),
+            ProblemType::MultiLabel
+        );
     }
 
     #[test]

@@ -8,7 +8,6 @@
 //! MPI is not initialised at all.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -23,14 +22,6 @@ pub fn eprint_line(line: &str) {
     let _ = std::io::stderr()
         .lock()
         .write_all(format!("{line}\n").as_bytes());
-}
-
-/// This process's rank once known, for error messages (`sprtrain: rank 1: error: ...`).
-static RANK: OnceLock<(usize, usize)> = OnceLock::new();
-
-/// (rank, world size) if this process runs in a world of more than one.
-pub fn rank_in_world() -> Option<(usize, usize)> {
-    RANK.get().copied().filter(|(_, w)| *w > 1)
 }
 
 /// Where this process stands.
@@ -177,7 +168,6 @@ impl Dist {
         let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
         let host = hostname();
         if !launched_by_mpi() {
-            let _ = RANK.set((0, 1));
             let topo = Topology {
                 rank: 0,
                 world: 1,
@@ -223,7 +213,6 @@ impl Dist {
                 anyhow!("MPI initialisation did not finish within {collective_timeout_s} s")
             })?
             .map_err(|e| anyhow!(e))?;
-        let _ = RANK.set((topo.rank, topo.world));
         Ok(Dist {
             topo,
             jobs: Some(tx),

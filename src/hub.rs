@@ -12,10 +12,7 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use std::collections::BTreeSet;
 
-use crate::models::weights::{read_index, INDEX_FILE, SINGLE_FILE};
-
-pub const CONFIG_FILE: &str = "config.json";
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+use crate::hf_files::{read_index, CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE};
 
 /// Whether the user asked for no network access.
 pub fn hub_offline() -> bool {

@@ -1,14 +1,23 @@
 //! sprtrain: data-parallel fine-tuning of Hugging Face encoder models on CPU clusters.
 //!
-//! Layout: `cli` (in main.rs) -> `config` -> `train` (the loop) -> {`models`, `data`, `optim`,
-//! `checkpoint`, `metrics`, `qa` (answers from logits), `report`}; `predict` and `sysinfo` serve
-//! the other commands; `allocator` picks the C allocator before any of it runs.
+//! Layout (docs/architecture.md follows a batch through it):
+//! - `cli` (main.rs) -> `config` (typed TOML) -> `train` (the loop: `Trainer`, evaluation,
+//!   gradient synchronisation, setup) -> `tasks` (what differs between tasks: data, targets,
+//!   metrics) -> {`models` (transformers classes in libtorch), `data` (files, tokenization,
+//!   batching), `dist` (MPI), `optim` (flat buffers, AdamW), `checkpoint` (HF-layout output)}.
+//! - Beside them: `metrics` (accuracy, F1, correlations, SQuAD EM/F1), `qa` (answers from
+//!   start/end logits), `report` (metrics log, progress bar, plot), `hub` (local paths or the
+//!   Hugging Face Hub), `hf_files` (HF file names and the shard index), `atomic_file` (files
+//!   written whole or not at all), `predict` and `sysinfo` (the `predict` and `env` commands),
+//!   `allocator` (picks the C allocator before any of it runs).
 
 pub mod allocator;
+pub mod atomic_file;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod hf_files;
 pub mod hub;
 pub mod metrics;
 pub mod models;
@@ -17,4 +26,5 @@ pub mod predict;
 pub mod qa;
 pub mod report;
 pub mod sysinfo;
+pub mod tasks;
 pub mod train;

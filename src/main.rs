@@ -6,10 +6,11 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-use sprtrain::config::{Config, TaskName};
-use sprtrain::models::{self, Task};
+use sprtrain::config::Config;
+use sprtrain::models;
 use sprtrain::predict::{self, PredictArgs};
 use sprtrain::sysinfo;
+use sprtrain::train::setup;
 
 #[derive(Parser)]
 #[command(
@@ -73,16 +74,16 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         &std::fs::read_to_string(path).context("cannot read the file")?,
         overrides,
     )?;
-    let (dir, random) = sprtrain::train::resolve_model(&config, true)?;
-    let task = match config.model.task {
-        TaskName::SeqCls => Task::SequenceClassification,
-        TaskName::Qa => Task::QuestionAnswering,
-        TaskName::Mlm => Task::MaskedLm,
+    let (dir, random) = setup::resolve_model(&config, true)?;
+    let source = setup::ModelSource {
+        dir: &dir,
+        fresh: true,
+        random,
     };
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
     let adapt = |c: &mut models::EncoderConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
     let (pretrained, tokenizer) =
-        sprtrain::train::load_model(&config, &dir, task, adapt, true, random, true)?;
+        setup::load_model(&config, source, config.model.task.head(), adapt, true)?;
     let class = pretrained.model.class_name();
     let c = &pretrained.model.config;
     sprtrain::data::tokenizer::TextTokenizer::from_file(
@@ -175,12 +176,6 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(m) =
                 sprtrain::train::evaluate_saved(&c, model.as_deref(), output.as_deref())?
             {
-                let out = output.unwrap_or_else(|| PathBuf::from(&c.train.output_dir));
-                let text = serde_json::to_string_pretty(&m)? + "\n";
-                sprtrain::checkpoint::write_atomic(
-                    &out.join("eval_results.json"),
-                    text.as_bytes(),
-                )?;
                 let rows: Vec<(String, String)> = m
                     .iter()
                     .map(|(k, v)| (k.clone(), format!("{v:.4}")))

@@ -5,19 +5,13 @@
 //! gathered into a second one, and AdamW is one fused pass over the whole model instead of
 //! several ops per tensor. Parameters are laid out in the order backward produces their
 //! gradients (heads, last layer ... first layer, embeddings), so the flat gradient cuts into
-//! buckets that data parallelism can reduce as soon as they are ready.
+//! buckets that data parallelism can reduce as soon as they are ready (`train::grad_sync`).
 
-use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use tch::{Kind, Tensor};
-
-/// A run of whole parameters reduced together: elements of the flat buffer and the slots
-/// (parameters) they hold.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Bucket {
-    pub elems: std::ops::Range<usize>,
-    pub slots: std::ops::Range<usize>,
-}
 
 /// One trainable parameter's place in the flat buffers.
 #[derive(Debug, Clone)]
@@ -121,25 +115,6 @@ impl FlatParams {
         }
     }
 
-    /// Cuts the buffer into buckets of about `bytes` (never splitting a parameter), in
-    /// buffer order, i.e. the order backward fills them.
-    pub fn buckets(&self, bytes: usize) -> Vec<Bucket> {
-        let cap = (bytes / 4).max(1);
-        let mut out = Vec::new();
-        let (mut start, mut first) = (0usize, 0usize);
-        for (i, slot) in self.slots.iter().enumerate() {
-            let end = (slot.offset + slot.numel) as usize;
-            if end - start >= cap || i + 1 == self.slots.len() {
-                out.push(Bucket {
-                    elems: start..end,
-                    slots: first..i + 1,
-                });
-                (start, first) = (end, i + 1);
-            }
-        }
-        out
-    }
-
     /// Copies a range of the flat gradient into `into` (reused).
     pub fn read_grads(&self, range: std::ops::Range<usize>, into: &mut Vec<f32>) {
         into.clear();
@@ -174,6 +149,15 @@ impl FlatParams {
 
     pub fn numel(&self) -> i64 {
         self.params.numel() as i64
+    }
+
+    /// (name, numel) of every parameter in buffer order: what a checkpoint's optimizer state
+    /// must match to be restored.
+    pub fn layout(&self) -> Vec<(String, i64)> {
+        self.slots
+            .iter()
+            .map(|s| (s.name.clone(), s.numel))
+            .collect()
     }
 
     /// Clears the gradients for the next accumulation window (one pass over the buffer).
@@ -228,6 +212,37 @@ impl AdamW {
             exp_avg_sq: flat.params.zeros_like(),
             step: 0,
         }
+    }
+
+    /// The moments by the names torch's `state_dict` gives them, as checkpoints save them.
+    pub fn moments(&self) -> [(String, Tensor); 2] {
+        [
+            ("exp_avg".to_string(), self.exp_avg.shallow_clone()),
+            ("exp_avg_sq".to_string(), self.exp_avg_sq.shallow_clone()),
+        ]
+    }
+
+    /// Restores saved moments (see [`AdamW::moments`]) and the step count; `origin` names
+    /// where they came from, for messages.
+    pub fn restore(
+        &mut self,
+        saved: &BTreeMap<String, Tensor>,
+        step: i64,
+        origin: &std::path::Path,
+    ) -> Result<()> {
+        for (name, mut moment) in self.moments() {
+            let src = saved
+                .get(&name)
+                .with_context(|| format!("{}: optimizer state lacks {name}", origin.display()))?;
+            tch::no_grad(|| moment.f_copy_(src)).with_context(|| {
+                format!(
+                    "{}: optimizer state {name} has the wrong size",
+                    origin.display()
+                )
+            })?;
+        }
+        self.step = step;
+        Ok(())
     }
 
     /// One update of `flat.params` from `flat.grads` at learning rate `lr`: torch's
@@ -372,6 +387,35 @@ impl LrSchedule {
     }
 }
 
+/// One optimizer step as training takes it: clip the summed gradient to its global norm,
+/// AdamW at the schedule's rate, then clear the gradient for the next step.
+pub struct Optimizer {
+    pub flat: FlatParams,
+    pub adamw: AdamW,
+    pub schedule: LrSchedule,
+    /// Clip to this global L2 norm; 0 = no clipping.
+    pub max_grad_norm: f64,
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepUpdate {
+    /// The gradient's L2 norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+}
+
+impl Optimizer {
+    /// Takes step `step` (0-based: the first step's learning rate is the schedule's at 0).
+    pub fn step(&mut self, step: usize) -> StepUpdate {
+        let grad_norm = self.flat.clip_grad_norm(self.max_grad_norm);
+        let lr = self.schedule.lr(step as i64);
+        self.adamw.step(&self.flat, lr);
+        self.flat.zero_grads();
+        StepUpdate { grad_norm, lr }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,7 +442,7 @@ mod tests {
     }
 
     #[test]
-    fn buckets_follow_backward_order_without_splitting_parameters() {
+    fn parameters_are_laid_out_in_backward_order() {
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         let root = vs.root();
         for (i, n) in [(0, 300), (1, 200), (2, 500), (3, 100)] {
@@ -408,10 +452,8 @@ mod tests {
         let flat = FlatParams::new(&vs, |name| 3 - name[1..2].parse::<usize>().unwrap());
         let order: Vec<&str> = flat.slots.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(order, ["p3.weight", "p2.weight", "p1.weight", "p0.weight"]);
-        let elems = |b: Vec<Bucket>| b.into_iter().map(|b| b.elems).collect::<Vec<_>>();
-        assert_eq!(elems(flat.buckets(2400)), vec![0..600, 600..1100]);
-        assert_eq!(flat.buckets(2400)[1].slots, 2..4);
-        assert_eq!(elems(flat.buckets(4 * 1_000_000)), vec![0..1100]);
+        let offsets: Vec<i64> = flat.slots.iter().map(|s| s.offset).collect();
+        assert_eq!(offsets, [0, 100, 600, 800]);
     }
 
     #[test]

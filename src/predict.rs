@@ -8,22 +8,16 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
-use crate::data::batching::{collate, Feature};
+use crate::atomic_file::write_atomic_with;
+use crate::config::TaskName;
+use crate::data::batching::{collate, Feature, Target};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
+use crate::hf_files::TOKENIZER_FILE;
 use crate::hub;
-use crate::models::{self, ProblemType, Task};
+use crate::models::{self, ProblemType};
 
 /// Longest answer, in tokens, considered for a question (transformers' `max_answer_length`).
 const MAX_ANSWER_TOKENS: usize = 30;
-
-/// Which head `predict` runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PredictTask {
-    /// Sequence classification: fields `text` and optional `text_pair`.
-    SeqCls,
-    /// Extractive question answering: fields `question` and `context`.
-    Qa,
-}
 
 /// `sprtrain predict` options.
 #[derive(Debug, Clone, clap::Args)]
@@ -34,8 +28,10 @@ pub struct PredictArgs {
     /// Hub revision (branch, tag or commit).
     #[arg(long, default_value = "main")]
     pub revision: String,
+    /// The head to run: seq-cls (fields `text`, optional `text_pair`) or qa (fields
+    /// `question`, `context`).
     #[arg(long, value_enum)]
-    pub task: PredictTask,
+    pub task: TaskName,
     /// Input JSON Lines file.
     #[arg(long)]
     pub input: PathBuf,
@@ -70,7 +66,7 @@ fn field(obj: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Op
     }
 }
 
-fn read_examples(path: &Path, task: Task) -> Result<Vec<Example>> {
+fn read_examples(path: &Path, task: TaskName) -> Result<Vec<Example>> {
     let file = std::fs::File::open(path)
         .with_context(|| format!("cannot open input {}", path.display()))?;
     let mut out = Vec::new();
@@ -86,7 +82,7 @@ fn read_examples(path: &Path, task: Task) -> Result<Vec<Example>> {
             .as_object()
             .with_context(|| format!("{at}: expected a JSON object"))?;
         let (first_key, second_key, second_required) = match task {
-            Task::QuestionAnswering => ("question", "context", true),
+            TaskName::Qa => ("question", "context", true),
             _ => ("text", "text_pair", false),
         };
         let first = field(obj, first_key, &at)?
@@ -187,15 +183,15 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let task = match args.task {
-        PredictTask::SeqCls => Task::SequenceClassification,
-        PredictTask::Qa => Task::QuestionAnswering,
-    };
+    let task = args.task;
+    if task == TaskName::Mlm {
+        bail!("--task mlm: predict runs seq-cls or qa heads");
+    }
     let examples = read_examples(&args.input, task)?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
     let pretrained = models::from_pretrained(
         &dir,
-        task,
+        task.head(),
         |c| args.num_labels.map_or(Ok(()), |n| c.set_num_labels(n)),
         args.seed,
     )?;
@@ -212,57 +208,70 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
         );
     }
     let truncation = match task {
-        Task::QuestionAnswering => Truncation::OnlySecond,
+        TaskName::Qa => Truncation::OnlySecond,
         _ => Truncation::LongestFirst,
     };
     let tokenizer = TextTokenizer::from_file(
-        &dir.join(hub::TOKENIZER_FILE),
+        &dir.join(TOKENIZER_FILE),
         model.config.pad_token_id,
         max_len,
         truncation,
     )?;
 
-    let tmp = args.output.with_extension("jsonl.partial");
-    let mut out = std::io::BufWriter::new(
-        std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?,
-    );
-    for chunk in examples.chunks(args.batch_size) {
-        let texts: Vec<(String, Option<String>)> = chunk
-            .iter()
-            .map(|e| (e.first.clone(), e.second.clone()))
-            .collect();
-        let encodings = tokenizer.encode_batch(&texts)?;
-        let features: Vec<Feature> = encodings
-            .iter()
-            .map(|e| Feature::from_encoding(e, 0.0))
-            .collect();
-        let (inputs, _) = collate(
-            &features.iter().collect::<Vec<_>>(),
-            tokenizer.pad_id(),
-            None,
-        );
-        let output = tch::no_grad(|| model.forward(&inputs, false));
-        for (row, (ex, enc)) in chunk.iter().zip(&encodings).enumerate() {
-            let real = enc.len() as i64;
-            let mut rec = match task {
-                Task::QuestionAnswering => {
-                    let (s, e) = output.span_logits();
-                    let start = to_vec(&s.get(row as i64).narrow(0, 0, real))?;
-                    let end = to_vec(&e.get(row as i64).narrow(0, 0, real))?;
-                    qa_record(start, end, enc, ex.second.as_deref().unwrap_or_default())
-                }
-                _ => classification_record(to_vec(&output.logits.get(row as i64))?, &model.config),
-            };
-            if let Some(id) = &ex.id {
-                rec["id"] = id.clone();
+    write_atomic_with(&args.output, |tmp| {
+        let file = std::fs::File::create(tmp)
+            .with_context(|| format!("cannot create {}", tmp.display()))?;
+        let mut out = std::io::BufWriter::new(file);
+        for chunk in examples.chunks(args.batch_size) {
+            for rec in predict_batch(model, &tokenizer, task, chunk)? {
+                writeln!(out, "{rec}")
+                    .with_context(|| format!("cannot write {}", tmp.display()))?;
             }
-            writeln!(out, "{rec}").with_context(|| format!("cannot write {}", tmp.display()))?;
         }
-    }
-    out.flush()
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    drop(out);
-    std::fs::rename(&tmp, &args.output)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), args.output.display()))?;
+        out.flush()
+            .with_context(|| format!("cannot write {}", tmp.display()))
+    })?;
     Ok(examples.len())
+}
+
+/// The output records of one batch of examples.
+fn predict_batch(
+    model: &models::TaskModel,
+    tokenizer: &TextTokenizer,
+    task: TaskName,
+    chunk: &[Example],
+) -> Result<Vec<Value>> {
+    let texts: Vec<(String, Option<String>)> = chunk
+        .iter()
+        .map(|e| (e.first.clone(), e.second.clone()))
+        .collect();
+    let encodings = tokenizer.encode_batch(&texts)?;
+    let features: Vec<Feature> = encodings
+        .iter()
+        .map(|e| Feature::from_encoding(e, Target::Class(0)))
+        .collect();
+    let (inputs, _) = collate(
+        &features.iter().collect::<Vec<_>>(),
+        tokenizer.pad_id(),
+        None,
+    );
+    let output = tch::no_grad(|| model.forward(&inputs, false));
+    let mut records = Vec::with_capacity(chunk.len());
+    for (row, (ex, enc)) in chunk.iter().zip(&encodings).enumerate() {
+        let real = enc.len() as i64;
+        let mut rec = match task {
+            TaskName::Qa => {
+                let (s, e) = output.span_logits();
+                let start = to_vec(&s.get(row as i64).narrow(0, 0, real))?;
+                let end = to_vec(&e.get(row as i64).narrow(0, 0, real))?;
+                qa_record(start, end, enc, ex.second.as_deref().unwrap_or_default())
+            }
+            _ => classification_record(to_vec(&output.logits.get(row as i64))?, &model.config),
+        };
+        if let Some(id) = &ex.id {
+            rec["id"] = id.clone();
+        }
+        records.push(rec);
+    }
+    Ok(records)
 }

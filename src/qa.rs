@@ -15,7 +15,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
-use crate::checkpoint::write_atomic;
+use crate::atomic_file::write_json;
 use crate::data::squad::{QaExample, QaFeature};
 
 /// Post-processing settings (run_qa.py's flags of the same names).
@@ -232,11 +232,6 @@ impl<V: Serialize> Serialize for Ordered<'_, V> {
         }
         map.end()
     }
-}
-
-fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)? + "\n";
-    write_atomic(path, text.as_bytes())
 }
 
 /// Writes `predictions.json`, `nbest_predictions.json` and (v2.0) `null_odds.json` into `dir`,

@@ -7,7 +7,7 @@ mod common;
 
 use common::{fixtures, reference};
 use sprtrain::models::layers::autocast;
-use sprtrain::models::{from_pretrained, EncoderInputs, Labels, Task};
+use sprtrain::models::{from_pretrained, EncoderInputs, Head, Labels};
 use tch::{Kind, Tensor};
 
 fn cosine(a: &Tensor, b: &Tensor) -> f64 {
@@ -22,7 +22,7 @@ fn cosine(a: &Tensor, b: &Tensor) -> f64 {
 fn bf16_compute_keeps_fp32_master_state_and_tracks_fp32() {
     let dir = fixtures().join("parity").join("bert-seq-cls-single");
     let r = reference(&dir.join("reference.safetensors"));
-    let p = from_pretrained(&dir, Task::SequenceClassification, |_| Ok(()), 0).unwrap();
+    let p = from_pretrained(&dir, Head::SequenceClassification, |_| Ok(()), 0).unwrap();
     let inputs = EncoderInputs {
         input_ids: r["input_ids"].shallow_clone(),
         attention_mask: r["attention_mask"].shallow_clone(),

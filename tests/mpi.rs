@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixtures, losses, mpirun, run_ok, write_sentences, WORDS};
+use common::{
+    fixtures, losses, require_mpirun, run_ok, weights, write_sentences, RunConfig, WORDS,
+};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
@@ -46,26 +48,19 @@ fn config(
     steps: usize,
 ) -> (PathBuf, PathBuf) {
     let out = dir.join(name);
-    let text = format!(
-        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n[data]\ntrain_file = \"{}\"\neval_file = \"{}\"\n\
-         [train]\noutput_dir = \"{}\"\nmax_steps = {steps}\nbatch_size = {batch}\ngradient_accumulation_steps = {accum}\n\
-         learning_rate = 1e-3\nweight_decay = 0.01\nwarmup_steps = 3\nlogging_steps = 1\nsave_steps = 0\n\
-         [eval]\nstrategy = \"no\"\n[runtime]\nprecision = \"fp32\"\nseed = 3\n",
-        fixtures().join("train_parity").display(),
-        data.display(),
-        data.with_file_name("eval.tsv").display(),
-        out.display()
-    );
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).unwrap();
+    let path = RunConfig::new(&fixtures().join("train_parity"), data, &out)
+        .set_path("data.eval_file", &data.with_file_name("eval.tsv"))
+        .set("train.max_steps", steps as i64)
+        .set("train.batch_size", batch as i64)
+        .set("train.gradient_accumulation_steps", accum as i64)
+        .set("train.learning_rate", 1e-3)
+        .set("train.weight_decay", 0.01)
+        .set("train.warmup_steps", 3)
+        // Threads as a user's run gets them: this node's cores shared among its ranks.
+        .set("runtime.threads", 0)
+        .set("runtime.seed", 3)
+        .write(&dir.join(format!("{name}.toml")));
     (path, out)
-}
-
-fn weights(out: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut w =
-        sprtrain::models::weights::read_safetensors(&out.join("model.safetensors")).unwrap();
-    w.sort_by(|a, b| a.0.cmp(&b.0));
-    w
 }
 
 /// Two ranks with batch B against one rank with batch 2B, and against one rank with batch B and
@@ -73,8 +68,7 @@ fn weights(out: &Path) -> Vec<(String, tch::Tensor)> {
 /// the runs differ only in summation order and padding length).
 #[test]
 fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
-    let Some(mpirun) = mpirun() else {
-        eprintln!("skipped: no mpirun on PATH (scripts/setup.sh installs MPICH)");
+    let Some(mpirun) = require_mpirun() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -157,8 +151,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
 /// error naming the key and the ranks, fast, never hanging.
 #[test]
 fn mismatched_configs_stop_every_rank() {
-    let Some(mpirun) = mpirun() else {
-        eprintln!("skipped: no mpirun on PATH");
+    let Some(mpirun) = require_mpirun() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -239,8 +232,7 @@ fn signal_rank_1(
 /// `kill -9` of rank 1 mid-run: the job ends, non-zero, within 30 s.
 #[test]
 fn killing_a_rank_ends_the_job() {
-    let Some(mpirun) = mpirun() else {
-        eprintln!("skipped: no mpirun on PATH");
+    let Some(mpirun) = require_mpirun() else {
         return;
     };
     let (status, took, _) = signal_rank_1(&mpirun, "victim", &[], libc::SIGKILL);
@@ -252,8 +244,7 @@ fn killing_a_rank_ends_the_job() {
 /// it waited for past `dist.collective_timeout_s`, and the job ends non-zero.
 #[test]
 fn a_hung_rank_trips_the_collective_timeout() {
-    let Some(mpirun) = mpirun() else {
-        eprintln!("skipped: no mpirun on PATH");
+    let Some(mpirun) = require_mpirun() else {
         return;
     };
     let (status, took, stderr) = signal_rank_1(

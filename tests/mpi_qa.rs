@@ -6,7 +6,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{fixtures, losses, mpirun, run_ok};
+use common::{fixtures, losses, require_mpirun, run_ok, RunConfig};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
@@ -16,8 +16,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
 /// gives the same EM/F1 and the same predictions.json as one rank.
 #[test]
 fn question_answering_trains_and_evaluates_sharded() {
-    let Some(mpirun) = mpirun() else {
-        eprintln!("skipped: no mpirun on PATH");
+    let Some(mpirun) = require_mpirun() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -38,18 +37,17 @@ fn question_answering_trains_and_evaluates_sharded() {
     std::fs::write(model.join("config.json"), config.to_string()).unwrap();
     let cfg = |name: &str, batch: usize| -> (PathBuf, PathBuf) {
         let out = tmp.path().join(name);
-        let text = format!(
-            "[model]\nname_or_path = \"{}\"\ntask = \"qa\"\nmax_seq_len = 32\n\n\
-             [data]\ntrain_file = \"{}\"\neval_split = 0.25\npad_to_max_length = true\n\n[qa]\ndoc_stride = 8\n\n\
-             [train]\noutput_dir = \"{}\"\nmax_steps = 6\nbatch_size = {batch}\nlearning_rate = 3e-3\n\
-             logging_steps = 1\nsave_steps = 0\n\n[eval]\nstrategy = \"no\"\nbatch_size = 5\n\n\
-             [runtime]\nprecision = \"fp32\"\nthreads = 1\nseed = 5\n",
-            model.display(),
-            data.display(),
-            out.display()
-        );
-        let path = tmp.path().join(format!("{name}.toml"));
-        std::fs::write(&path, text).unwrap();
+        let path = RunConfig::new(&model, &data, &out)
+            .set("model.task", "qa")
+            .set("data.eval_split", 0.25)
+            .set("data.pad_to_max_length", true)
+            .set("qa.doc_stride", 8)
+            .set("train.max_steps", 6)
+            .set("train.batch_size", batch as i64)
+            .set("train.learning_rate", 3e-3)
+            .set("eval.batch_size", 5)
+            .set("runtime.seed", 5)
+            .write(&tmp.path().join(format!("{name}.toml")));
         (path, out)
     };
     let (c2, out2) = cfg("qa-two", 4);

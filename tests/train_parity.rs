@@ -6,8 +6,10 @@
 mod common;
 
 use common::{fixtures, max_abs_diff, reference};
-use sprtrain::models::{from_pretrained, EncoderInputs, Labels, Task};
-use sprtrain::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, ScheduleKind};
+use sprtrain::config::TrainConfig;
+use sprtrain::models::{from_pretrained, EncoderInputs, Head, Labels};
+use sprtrain::optim::{FlatParams, ScheduleKind};
+use sprtrain::train::optimizer;
 
 #[test]
 fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
@@ -17,27 +19,21 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
     let steps = hp["steps"].as_i64().unwrap();
-    let p = from_pretrained(&dir, Task::SequenceClassification, |_| Ok(()), 0).unwrap();
+    let p = from_pretrained(&dir, Head::SequenceClassification, |_| Ok(()), 0).unwrap();
+    // transformers' recipe as a config: the engine builds its optimizer (clip -> lr -> AdamW
+    // -> zero) from it exactly as a training run does.
+    let tc = TrainConfig {
+        learning_rate: hp["lr"].as_f64().unwrap(),
+        weight_decay: hp["weight_decay"].as_f64().unwrap(),
+        warmup_steps: hp["warmup_steps"].as_u64().unwrap() as usize,
+        max_grad_norm: hp["max_grad_norm"].as_f64().unwrap(),
+        lr_scheduler: ScheduleKind::Linear,
+        ..TrainConfig::default()
+    };
     let flat = FlatParams::new(&p.vs, |n| p.model.backward_stage(n));
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: hp["weight_decay"].as_f64().unwrap(),
-        },
-        &flat,
-    );
-    let schedule = LrSchedule::new(
-        ScheduleKind::Linear,
-        hp["lr"].as_f64().unwrap(),
-        hp["warmup_steps"].as_i64().unwrap(),
-        steps,
-    )
-    .unwrap();
+    let mut opt = optimizer(&tc, flat, steps as usize).unwrap();
     let want: Vec<f64> = Vec::try_from(&r["losses"]).unwrap();
     let want_lr: Vec<f64> = Vec::try_from(&r["lrs"]).unwrap();
-    let mut flat = flat;
     for step in 0..steps {
         let get = |k: &str| r[&format!("{k}.{step}")].shallow_clone();
         let inputs = EncoderInputs {
@@ -48,15 +44,12 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
         let out = p.model.forward(&inputs, true);
         let loss = p.model.loss(&out, &Labels::Classes(get("labels"))).unwrap();
         loss.backward();
-        flat.clip_grad_norm(hp["max_grad_norm"].as_f64().unwrap());
-        let lr = schedule.lr(step);
+        let lr = opt.step(step as usize).lr;
         assert!(
             (lr - want_lr[step as usize]).abs() < 1e-15,
             "step {step}: lr {lr} vs {}",
             want_lr[step as usize]
         );
-        opt.step(&flat, lr);
-        flat.zero_grads();
         let (got, w) = (loss.double_value(&[]), want[step as usize]);
         let rel = (got - w).abs() / w.abs();
         eprintln!("step {step}: loss {got:.7} vs transformers {w:.7} (relative {rel:.1e})");

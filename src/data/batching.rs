@@ -9,16 +9,16 @@ use anyhow::Result;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use super::classification::Example;
-use super::tokenizer::TextTokenizer;
 use crate::models::{EncoderInputs, Labels};
 
-/// What a feature is trained towards.
+/// What a feature is trained towards; it also decides the batch's [`Labels`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Target {
-    /// A class id or a regression value.
+    /// A class id (single-label classification).
+    Class(usize),
+    /// A regression value.
     Value(f64),
     /// Start and end token positions of an answer (question answering).
     Span(i64, i64),
@@ -33,41 +33,19 @@ pub struct Feature {
 }
 
 impl Feature {
-    /// The ids and token types of one encoding, with a class id or value.
-    pub fn from_encoding(enc: &tokenizers::Encoding, label: f64) -> Self {
+    /// The ids and token types of one encoding, with its target.
+    pub fn from_encoding(enc: &tokenizers::Encoding, target: Target) -> Self {
         Feature {
             input_ids: enc.get_ids().iter().map(|&i| i as i64).collect(),
             type_ids: enc.get_type_ids().iter().map(|&i| i as i64).collect(),
-            target: Target::Value(label),
+            target,
         }
     }
-
-    /// The class id or value (0 for a span).
-    pub fn value(&self) -> f64 {
-        match self.target {
-            Target::Value(v) => v,
-            Target::Span(..) => 0.0,
-        }
-    }
-}
-
-/// Tokenizes all examples (in parallel, inside the tokenizers crate).
-pub fn tokenize(tok: &TextTokenizer, examples: &[Example]) -> Result<Vec<Feature>> {
-    let texts: Vec<(String, Option<String>)> = examples
-        .iter()
-        .map(|e| (e.text.clone(), e.text_pair.clone()))
-        .collect();
-    let encodings = tok.encode_batch(&texts)?;
-    Ok(encodings
-        .iter()
-        .zip(examples)
-        .map(|(enc, ex)| Feature::from_encoding(enc, ex.label))
-        .collect())
 }
 
 /// Serialises features for exchange between processes: per feature, u32 length, the ids as
-/// u32, the type ids as u8, then a tag byte and the label: 0 and an f64, or 1 and two i64
-/// span positions (little-endian).
+/// u32, the type ids as u8, then a tag byte and the target: 0 and a u64 class id, 1 and an
+/// f64 value, or 2 and two i64 span positions (little-endian).
 pub fn encode_features(features: &[Feature]) -> Vec<u8> {
     let mut out = Vec::new();
     for f in features {
@@ -77,12 +55,16 @@ pub fn encode_features(features: &[Feature]) -> Vec<u8> {
         }
         out.extend(f.type_ids.iter().map(|&t| t as u8));
         match f.target {
-            Target::Value(v) => {
+            Target::Class(c) => {
                 out.push(0);
+                out.extend((c as u64).to_le_bytes());
+            }
+            Target::Value(v) => {
+                out.push(1);
                 out.extend(v.to_le_bytes());
             }
             Target::Span(s, e) => {
-                out.push(1);
+                out.push(2);
                 out.extend(s.to_le_bytes());
                 out.extend(e.to_le_bytes());
             }
@@ -110,11 +92,13 @@ pub fn decode_features(bytes: &[u8]) -> Result<Vec<Feature>> {
             .collect();
         let type_ids = take(bytes, &mut at, n)?.iter().map(|&t| t as i64).collect();
         let target = match take(bytes, &mut at, 1)?[0] {
-            0 => Target::Value(f64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?)),
-            _ => Target::Span(
+            0 => Target::Class(u64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?) as usize),
+            1 => Target::Value(f64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?)),
+            2 => Target::Span(
                 i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
                 i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
             ),
+            tag => anyhow::bail!("unknown feature target tag {tag}"),
         };
         out.push(Feature {
             input_ids,
@@ -235,32 +219,51 @@ pub fn collate(
     )
 }
 
-/// A batch's labels: (B) regression values or class ids, or (B) start and end positions.
-pub fn batch_labels(features: &[&Feature], regression: bool) -> Labels {
-    if features
-        .iter()
-        .all(|f| matches!(f.target, Target::Span(..)))
-        && !features.is_empty()
-    {
-        let (start, end): (Vec<i64>, Vec<i64>) = features
-            .iter()
-            .map(|f| match f.target {
-                Target::Span(s, e) => (s, e),
-                Target::Value(_) => (0, 0),
-            })
-            .unzip();
-        return Labels::Spans {
-            start: Tensor::from_slice(&start),
-            end: Tensor::from_slice(&end),
-        };
+/// A batch's labels, of the kind its features' targets are: (B) class ids, (B) regression
+/// values, or (B) start and (B) end positions. A batch mixing kinds is an error.
+pub fn batch_labels(features: &[&Feature]) -> Result<Labels> {
+    let first = features.first().map(|f| f.target);
+    let same_kind = |f: &&&Feature| {
+        first.is_some_and(|t| std::mem::discriminant(&t) == std::mem::discriminant(&f.target))
+    };
+    if !features.iter().all(|f| same_kind(&f)) {
+        anyhow::bail!("a batch mixes targets of different kinds (or is empty)");
     }
-    let values: Vec<f64> = features.iter().map(|f| f.value()).collect();
-    let y = Tensor::from_slice(&values).to_kind(Kind::Float);
-    if regression {
-        Labels::Values(y)
-    } else {
-        Labels::Classes(y.to_kind(Kind::Int64))
-    }
+    Ok(match first {
+        Some(Target::Span(..)) => {
+            let (start, end): (Vec<i64>, Vec<i64>) = features
+                .iter()
+                .map(|f| match f.target {
+                    Target::Span(s, e) => (s, e),
+                    _ => (0, 0),
+                })
+                .unzip();
+            Labels::Spans {
+                start: Tensor::from_slice(&start),
+                end: Tensor::from_slice(&end),
+            }
+        }
+        Some(Target::Value(_)) => {
+            let values: Vec<f32> = features
+                .iter()
+                .map(|f| match f.target {
+                    Target::Value(v) => v as f32,
+                    _ => 0.0,
+                })
+                .collect();
+            Labels::Values(Tensor::from_slice(&values))
+        }
+        _ => {
+            let ids: Vec<i64> = features
+                .iter()
+                .map(|f| match f.target {
+                    Target::Class(c) => c as i64,
+                    _ => 0,
+                })
+                .collect();
+            Labels::Classes(Tensor::from_slice(&ids))
+        }
+    })
 }
 
 #[cfg(test)]
@@ -336,7 +339,7 @@ mod tests {
             Feature {
                 input_ids: vec![101, 2023, 30521, 102],
                 type_ids: vec![0, 0, 1, 1],
-                target: Target::Value(2.0),
+                target: Target::Class(2),
             },
             Feature {
                 input_ids: vec![0],

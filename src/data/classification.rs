@@ -8,7 +8,40 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::config::{DataConfig, DataFormat};
+use serde::{Deserialize, Serialize};
+
+use super::batching::{Feature, Target};
+use super::tokenizer::TextTokenizer;
+
+/// A classification file's format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// From the extension: .csv, .tsv/.txt, .jsonl/.json, .parquet.
+    Auto,
+    Csv,
+    Tsv,
+    Jsonl,
+    Parquet,
+}
+
+/// How to read a classification file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadOptions {
+    pub format: DataFormat,
+    /// Whether CSV/TSV files start with a header row; without one, columns are 0-based indices.
+    pub has_header: bool,
+    /// Column (or JSON field) holding the text.
+    pub text_column: String,
+    /// Column holding the second text of a pair; empty for single texts.
+    pub text_pair_column: String,
+    /// Column holding the label: a class id, a class name, or a number for regression.
+    pub label_column: String,
+    /// Class names in id order; empty to infer them.
+    pub label_names: Vec<String>,
+    /// Skip rows with a missing column or a bad label (counted in one warning) instead of failing.
+    pub skip_bad_rows: bool,
+}
 
 /// One example. `label` is a class id or a regression target.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,7 +105,7 @@ fn column_index(header: Option<&[String]>, column: &str, path: &Path) -> Result<
 
 fn read_delimited(
     path: &Path,
-    cfg: &DataConfig,
+    cfg: &ReadOptions,
     delimiter: u8,
     bad: &mut BadRows,
 ) -> Result<Vec<RawRow>> {
@@ -137,7 +170,7 @@ fn json_string(v: Option<&serde_json::Value>) -> Option<String> {
     }
 }
 
-fn read_jsonl(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+fn read_jsonl(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<RawRow>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut rows = Vec::new();
@@ -170,7 +203,7 @@ fn read_jsonl(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<Ra
     Ok(rows)
 }
 
-fn read_parquet(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+fn read_parquet(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<RawRow>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
     let file =
@@ -242,7 +275,7 @@ impl BadRows {
     }
 }
 
-fn read_raw(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawRow>> {
+fn read_raw(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<RawRow>> {
     if !path.is_file() {
         bail!("data file {} does not exist", path.display());
     }
@@ -256,7 +289,7 @@ fn read_raw(path: &Path, cfg: &DataConfig, bad: &mut BadRows) -> Result<Vec<RawR
 }
 
 /// Decides the label set: given names, or integer ids, or the sorted distinct strings.
-pub fn infer_labels(cfg: &DataConfig, regression: bool, raw: &[&str]) -> LabelKind {
+pub fn infer_labels(cfg: &ReadOptions, regression: bool, raw: &[&str]) -> LabelKind {
     if regression {
         return LabelKind::Regression;
     }
@@ -305,7 +338,7 @@ fn resolve_label(raw: &str, kind: &LabelKind, at: &str) -> Result<f64> {
 /// infers them from this file.
 pub fn load_examples(
     path: &Path,
-    cfg: &DataConfig,
+    cfg: &ReadOptions,
     regression: bool,
     kind: Option<&LabelKind>,
 ) -> Result<(Vec<Example>, LabelKind)> {
@@ -348,6 +381,31 @@ pub fn load_examples(
     Ok((examples, kind))
 }
 
+/// Tokenizes examples (in parallel, inside the tokenizers crate): class ids or regression
+/// values as `kind` says.
+pub fn tokenize(
+    tok: &TextTokenizer,
+    examples: &[Example],
+    kind: &LabelKind,
+) -> Result<Vec<Feature>> {
+    let texts: Vec<(String, Option<String>)> = examples
+        .iter()
+        .map(|e| (e.text.clone(), e.text_pair.clone()))
+        .collect();
+    let encodings = tok.encode_batch(&texts)?;
+    Ok(encodings
+        .iter()
+        .zip(examples)
+        .map(|(enc, ex)| {
+            let target = match kind {
+                LabelKind::Regression => Target::Value(ex.label),
+                LabelKind::Classes(_) => Target::Class(ex.label as usize),
+            };
+            Feature::from_encoding(enc, target)
+        })
+        .collect())
+}
+
 /// id2label for config.json from the label set.
 pub fn id2label(kind: &LabelKind) -> BTreeMap<usize, String> {
     match kind {
@@ -360,8 +418,17 @@ pub fn id2label(kind: &LabelKind) -> BTreeMap<usize, String> {
 mod tests {
     use super::*;
 
-    fn cfg(f: impl FnOnce(&mut DataConfig)) -> DataConfig {
-        let mut c = DataConfig::default();
+    /// DataConfig's defaults, changed by `f`.
+    fn cfg(f: impl FnOnce(&mut ReadOptions)) -> ReadOptions {
+        let mut c = ReadOptions {
+            format: DataFormat::Auto,
+            has_header: true,
+            text_column: "sentence".into(),
+            text_pair_column: String::new(),
+            label_column: "label".into(),
+            label_names: Vec::new(),
+            skip_bad_rows: false,
+        };
         f(&mut c);
         c
     }
@@ -473,7 +540,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = write(dir.path(), "e.tsv", "sentence\tlabel\nok\t2\n");
         let kind = LabelKind::Classes(vec!["0".into(), "1".into()]);
-        let err = load_examples(&p, &DataConfig::default(), false, Some(&kind)).unwrap_err();
+        let err = load_examples(&p, &cfg(|_| ()), false, Some(&kind)).unwrap_err();
         assert!(
             format!("{err:#}").contains(":2: label id 2 is out of range (0..2)"),
             "{err:#}"

@@ -333,7 +333,7 @@ impl QaFeature {
     pub fn span(&self) -> (i64, i64) {
         match self.input.target {
             Target::Span(s, e) => (s, e),
-            Target::Value(_) => (0, 0),
+            _ => (0, 0),
         }
     }
 }

@@ -18,9 +18,9 @@ use distilbert::DistilBertEncoder;
 pub use hf_config::{Activation, Arch, EncoderConfig, ProblemType};
 use layers::{activate, dropout, LayerNorm, Linear};
 
-/// What the model is for; selects the head.
+/// Which transformers head sits on the backbone (`BertModel`, `BertForQuestionAnswering`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Task {
+pub enum Head {
     /// The bare encoder (`BertModel`): outputs the last hidden state.
     Base,
     SequenceClassification,
@@ -28,23 +28,13 @@ pub enum Task {
     MaskedLm,
 }
 
-impl Task {
-    pub fn parse(name: &str) -> Result<Self> {
-        Ok(match name {
-            "base" => Task::Base,
-            "seq-cls" => Task::SequenceClassification,
-            "qa" => Task::QuestionAnswering,
-            "mlm" => Task::MaskedLm,
-            other => bail!("unknown task {other:?} (expected seq-cls, qa, mlm or base)"),
-        })
-    }
-
+impl Head {
     fn class_suffix(self) -> &'static str {
         match self {
-            Task::Base => "Model",
-            Task::SequenceClassification => "ForSequenceClassification",
-            Task::QuestionAnswering => "ForQuestionAnswering",
-            Task::MaskedLm => "ForMaskedLM",
+            Head::Base => "Model",
+            Head::SequenceClassification => "ForSequenceClassification",
+            Head::QuestionAnswering => "ForQuestionAnswering",
+            Head::MaskedLm => "ForMaskedLM",
         }
     }
 }
@@ -169,7 +159,7 @@ struct MlmHead {
     activation: Activation,
 }
 
-enum Head {
+enum HeadLayers {
     None,
     Classifier(ClassifierHead),
     Qa { qa_outputs: Linear, dropout: f64 },
@@ -179,20 +169,20 @@ enum Head {
 /// A transformers `*Model` / `*For*` class: one backbone and one head.
 pub struct TaskModel {
     pub config: EncoderConfig,
-    pub task: Task,
+    pub head: Head,
     backbone: Backbone,
-    head: Head,
+    head_layers: HeadLayers,
 }
 
 impl TaskModel {
     /// Creates the variables under `root`, newly initialised as transformers initialises them.
     /// Load a checkpoint over them with [`weights::load_checkpoint`].
-    pub fn new(root: &nn::Path, config: EncoderConfig, task: Task) -> Self {
+    pub fn new(root: &nn::Path, config: EncoderConfig, head: Head) -> Self {
         let c = &config;
         let r = c.initializer_range;
         let h = c.hidden_size;
         // Task models keep the backbone under `bert.` / `distilbert.` / `roberta.`.
-        let bb = if task == Task::Base {
+        let bb = if head == Head::Base {
             root.clone()
         } else {
             root / c.arch.prefix()
@@ -201,8 +191,8 @@ impl TaskModel {
             Arch::Bert | Arch::Roberta => {
                 // Only BERT's classifier and the bare model use the pooler (add_pooling_layer).
                 let pooled = matches!(
-                    (c.arch, task),
-                    (Arch::Bert, Task::SequenceClassification) | (_, Task::Base)
+                    (c.arch, head),
+                    (Arch::Bert, Head::SequenceClassification) | (_, Head::Base)
                 );
                 Backbone::Bert {
                     encoder: BertEncoder::new(bb.clone(), c),
@@ -212,9 +202,9 @@ impl TaskModel {
             Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
         };
         let n = c.num_labels() as i64;
-        let head = match task {
-            Task::Base => Head::None,
-            Task::SequenceClassification => Head::Classifier(match c.arch {
+        let head_layers = match head {
+            Head::Base => HeadLayers::None,
+            Head::SequenceClassification => HeadLayers::Classifier(match c.arch {
                 Arch::Bert => ClassifierHead::Pooled {
                     classifier: Linear::new(root / "classifier", h, n, r),
                     dropout: c.classifier_dropout,
@@ -230,11 +220,11 @@ impl TaskModel {
                     dropout: c.classifier_dropout,
                 },
             }),
-            Task::QuestionAnswering => Head::Qa {
+            Head::QuestionAnswering => HeadLayers::Qa {
                 qa_outputs: Linear::new(root / "qa_outputs", h, 2, r),
                 dropout: c.qa_dropout,
             },
-            Task::MaskedLm => {
+            Head::MaskedLm => {
                 // (transform, its LayerNorm, owner of the bias, owner of an untied decoder weight)
                 let (dense, norm, bias, decoder, activation) = match c.arch {
                     Arch::Bert => {
@@ -289,7 +279,7 @@ impl TaskModel {
                     };
                     (Some(weight), own_bias)
                 };
-                Head::Mlm(MlmHead {
+                HeadLayers::Mlm(MlmHead {
                     dense: Linear::new(dense, h, h, r),
                     norm: LayerNorm::new(norm, h, c.layer_norm_eps),
                     untied_decoder,
@@ -300,9 +290,9 @@ impl TaskModel {
         };
         TaskModel {
             config,
-            task,
-            backbone,
             head,
+            backbone,
+            head_layers,
         }
     }
 
@@ -311,14 +301,14 @@ impl TaskModel {
         format!(
             "{}{}",
             self.config.arch.class_stem(),
-            self.task.class_suffix()
+            self.head.class_suffix()
         )
     }
 
     /// Whether a variable is allowed to be absent from a checkpoint (then newly initialised):
     /// task heads and the pooler, as transformers allows.
     pub fn may_be_newly_initialised(&self, name: &str) -> bool {
-        if self.task == Task::Base {
+        if self.head == Head::Base {
             return name.starts_with("pooler.");
         }
         let prefix = self.config.arch.prefix();
@@ -384,9 +374,9 @@ impl TaskModel {
             }
             Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries), None),
         };
-        let logits = match &self.head {
-            Head::None => hidden.shallow_clone(),
-            Head::Classifier(head) => {
+        let logits = match &self.head_layers {
+            HeadLayers::None => hidden.shallow_clone(),
+            HeadLayers::Classifier(head) => {
                 let first = hidden.select(1, 0); // (B, C)
                 match head {
                     ClassifierHead::Pooled {
@@ -414,11 +404,11 @@ impl TaskModel {
                     }
                 }
             }
-            Head::Qa {
+            HeadLayers::Qa {
                 qa_outputs,
                 dropout: p,
             } => qa_outputs.forward(&dropout(&hidden, *p, train)),
-            Head::Mlm(m) => {
+            HeadLayers::Mlm(m) => {
                 let x = m
                     .norm
                     .forward(&activate(m.activation, &m.dense.forward(&hidden)));
@@ -440,13 +430,13 @@ impl TaskModel {
             hidden: out.hidden.shallow_clone(),
             logits: out.logits.to_kind(tch::Kind::Float),
         };
-        Ok(match (self.task, labels) {
-            (Task::SequenceClassification, Labels::Classes(y))
+        Ok(match (self.head, labels) {
+            (Head::SequenceClassification, Labels::Classes(y))
                 if problem == ProblemType::SingleLabel =>
             {
                 mean_cross_entropy(&out.logits, y, self.config.num_labels() as i64)
             }
-            (Task::SequenceClassification, Labels::MultiHot(y))
+            (Head::SequenceClassification, Labels::MultiHot(y))
                 if problem == ProblemType::MultiLabel =>
             {
                 out.logits.binary_cross_entropy_with_logits::<Tensor>(
@@ -456,7 +446,7 @@ impl TaskModel {
                     Reduction::Mean,
                 )
             }
-            (Task::SequenceClassification, Labels::Values(y))
+            (Head::SequenceClassification, Labels::Values(y))
                 if problem == ProblemType::Regression =>
             {
                 let y = y.to_kind(out.logits.kind());
@@ -466,7 +456,7 @@ impl TaskModel {
                     out.logits.mse_loss(&y, Reduction::Mean)
                 }
             }
-            (Task::QuestionAnswering, Labels::Spans { start, end }) => {
+            (Head::QuestionAnswering, Labels::Spans { start, end }) => {
                 let (s, e) = out.span_logits();
                 // Positions outside the sequence are clamped to T and ignored, as in transformers.
                 let t = s.size()[1];
@@ -481,11 +471,11 @@ impl TaskModel {
                 };
                 (ce(&s, start) + ce(&e, end)) / 2.0
             }
-            (Task::MaskedLm, Labels::Tokens(y)) => {
+            (Head::MaskedLm, Labels::Tokens(y)) => {
                 mean_cross_entropy(&out.logits, y, self.config.vocab_size)
             }
-            (task, labels) => bail!(
-                "labels {:?} do not fit task {task:?} with problem type {}",
+            (head, labels) => bail!(
+                "labels {:?} do not fit head {head:?} with problem type {}",
                 std::mem::discriminant(labels),
                 problem.as_hf_str()
             ),
@@ -516,15 +506,15 @@ pub struct Pretrained {
 /// initialised as transformers initialises them (seeded).
 fn build(
     dir: &std::path::Path,
-    task: Task,
+    head: Head,
     adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
 ) -> Result<(nn::VarStore, TaskModel)> {
-    let config_path = dir.join(crate::hub::CONFIG_FILE);
+    let config_path = dir.join(crate::hf_files::CONFIG_FILE);
     if !config_path.is_file() {
         bail!(
             "no {} in model directory {}",
-            crate::hub::CONFIG_FILE,
+            crate::hf_files::CONFIG_FILE,
             dir.display()
         );
     }
@@ -532,36 +522,36 @@ fn build(
     adapt(&mut config)?;
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = TaskModel::new(&vs.root(), config, task);
+    let model = TaskModel::new(&vs.root(), config, head);
     Ok((vs, model))
 }
 
-/// Builds `task`'s model from `dir` (config.json + safetensors), like transformers'
+/// Builds the `head` model from `dir` (config.json + safetensors), like transformers'
 /// `AutoModelFor*.from_pretrained`. `adapt` may change the config first (labels of a new
 /// head, problem type). New heads are initialised from `seed`.
 pub fn from_pretrained(
     dir: &std::path::Path,
-    task: Task,
+    head: Head,
     adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
     use anyhow::Context;
-    let (vs, model) = build(dir, task, adapt, seed)?;
+    let (vs, model) = build(dir, head, adapt, seed)?;
     let checkpoint = weights::read_checkpoint(dir)?;
     let report = weights::load_checkpoint(&vs, &model, checkpoint)
         .with_context(|| format!("cannot load {} from {}", model.class_name(), dir.display()))?;
     Ok(Pretrained { vs, model, report })
 }
 
-/// Builds `task`'s model from `dir`'s config.json alone, every parameter initialised as
+/// Builds the `head` model from `dir`'s config.json alone, every parameter initialised as
 /// transformers' `_init_weights` does (seeded); the report lists them all as new.
 pub fn from_config(
     dir: &std::path::Path,
-    task: Task,
+    head: Head,
     adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
-    let (vs, model) = build(dir, task, adapt, seed)?;
+    let (vs, model) = build(dir, head, adapt, seed)?;
     let mut newly_initialised: Vec<String> = vs.variables().into_keys().collect();
     newly_initialised.sort();
     let report = weights::LoadReport {

@@ -14,9 +14,7 @@ use safetensors::{Dtype, SafeTensors};
 use tch::{nn, Kind, Tensor};
 
 use super::TaskModel;
-
-pub const SINGLE_FILE: &str = "model.safetensors";
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+use crate::hf_files::{read_index, INDEX_FILE, PICKLE_FILE, SINGLE_FILE};
 
 /// All tensors of a checkpoint, by their (renamed) state-dict key.
 pub struct Checkpoint {
@@ -121,26 +119,6 @@ fn read_file_into(path: &Path, ckpt: &mut Checkpoint) -> Result<()> {
     Ok(())
 }
 
-/// A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> shard file.
-pub fn read_index(index: &Path) -> Result<BTreeMap<String, String>> {
-    let text = std::fs::read_to_string(index)
-        .with_context(|| format!("cannot read {}", index.display()))?;
-    let parsed: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", index.display()))?;
-    let map = parsed
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .with_context(|| format!("{} has no \"weight_map\" object", index.display()))?;
-    map.iter()
-        .map(|(k, v)| {
-            let shard = v
-                .as_str()
-                .with_context(|| format!("{}: shard of {k} is not a file name", index.display()))?;
-            Ok((k.clone(), shard.to_string()))
-        })
-        .collect()
-}
-
 /// Reads `model.safetensors`, or every shard named by `model.safetensors.index.json`.
 pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let mut ckpt = Checkpoint {
@@ -174,9 +152,9 @@ pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
                 );
             }
         }
-    } else if dir.join("pytorch_model.bin").is_file() {
+    } else if dir.join(PICKLE_FILE).is_file() {
         bail!(
-            "{} holds only pytorch_model.bin; sprtrain reads safetensors (convert with transformers: model.save_pretrained(dir, safe_serialization=True))",
+            "{} holds only {PICKLE_FILE}; sprtrain reads safetensors (convert with transformers: model.save_pretrained(dir, safe_serialization=True))",
             dir.display()
         );
     } else {

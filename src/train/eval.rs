@@ -1,0 +1,140 @@
+//! Evaluation, during training and of a saved model (`sprtrain eval`): each process runs the
+//! model over a contiguous shard of the evaluation features, the outputs are gathered in
+//! order, and the task turns them into metrics, so results equal one process's.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::dataset::{resolve_data, MpiShards};
+use super::setup::{load_model, on_every_rank, set_up_numerics, ModelSource};
+use crate::atomic_file::write_json;
+use crate::config::Config;
+use crate::data::batching::{batch_labels, collate};
+use crate::dist::Dist;
+use crate::hf_files::CONFIG_FILE;
+use crate::models::TaskModel;
+use crate::tasks::{self, EvalSet, TokenizeOptions};
+
+/// Where evaluation results go in an output directory.
+pub const EVAL_RESULTS: &str = "eval_results.json";
+
+/// How evaluation batches are made and where predictions go.
+pub struct EvalOptions<'a> {
+    pub batch_size: usize,
+    pub pad_id: i64,
+    pub pad_to: Option<usize>,
+    /// Where rank 0 writes the task's prediction files (question answering's
+    /// predictions.json and nbest_predictions.json).
+    pub predictions_dir: Option<&'a Path>,
+}
+
+impl<'a> EvalOptions<'a> {
+    pub fn new(config: &Config, pad_id: i64, predictions_dir: Option<&'a Path>) -> Self {
+        EvalOptions {
+            batch_size: config.eval.batch_size,
+            pad_id,
+            pad_to: config
+                .data
+                .pad_to_max_length
+                .then_some(config.model.max_seq_len),
+            predictions_dir,
+        }
+    }
+}
+
+/// Evaluates on `set`: mean loss and the task's metrics, keys prefixed `eval_`, the same on
+/// every process.
+pub fn evaluate(
+    model: &TaskModel,
+    set: &dyn EvalSet,
+    opts: &EvalOptions,
+    dist: &Dist,
+) -> Result<BTreeMap<String, f64>> {
+    let features = set.features();
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
+    let (mut loss_sum, mut outputs) = (0.0, Vec::new());
+    for batch in shard.chunks(opts.batch_size) {
+        let (inputs, _) = collate(batch, opts.pad_id, opts.pad_to);
+        let out = tch::no_grad(|| model.forward(&inputs, false));
+        let labels = batch_labels(batch)?;
+        loss_sum += model.loss(&out, &labels)?.double_value(&[]) * batch.len() as f64;
+        outputs.extend(set.batch_outputs(&out, batch)?);
+    }
+    let outputs: Vec<f32> = dist.all_gather_f32("evaluation outputs", outputs)?.concat();
+    let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
+    let predictions_dir = opts.predictions_dir.filter(|_| dist.is_root());
+    let mut m = set.metrics(&outputs, predictions_dir)?;
+    m.insert("loss".into(), loss_sum / features.len().max(1) as f64);
+    Ok(m.into_iter()
+        .map(|(k, v)| (format!("eval_{k}"), v))
+        .collect())
+}
+
+/// Writes `eval_results.json` into `dir` (atomically).
+pub fn write_eval_results(dir: &Path, metrics: &BTreeMap<String, f64>) -> Result<()> {
+    write_json(&dir.join(EVAL_RESULTS), metrics)
+}
+
+/// `sprtrain eval`: evaluates the model in `model_dir` (default: the final model in
+/// `train.output_dir`) on the config's evaluation data, as training's final evaluation does,
+/// and writes eval_results.json and the task's predictions into `output_dir` (default
+/// `train.output_dir`). Returns the metrics on rank 0, None elsewhere.
+pub fn evaluate_saved(
+    config: &Config,
+    model_dir: Option<&Path>,
+    output_dir: Option<&Path>,
+) -> Result<Option<BTreeMap<String, f64>>> {
+    on_every_rank(config.dist.collective_timeout_s, |dist| {
+        let root = dist.is_root();
+        let default_dir = PathBuf::from(&config.train.output_dir);
+        let dir = model_dir.unwrap_or(&default_dir);
+        if !dir.join(CONFIG_FILE).is_file() {
+            bail!(
+                "no model in {} (no {CONFIG_FILE}): train first, or pass --model DIR",
+                dir.display()
+            );
+        }
+        let data = tasks::read(config, &resolve_data(config, root)?, root)?;
+        if !data.has_eval() {
+            bail!("no evaluation data: set data.eval_file, or data.eval_split to hold out part of data.train_file");
+        }
+        let _autocast = set_up_numerics(config, dist)?;
+        let source = ModelSource {
+            dir,
+            fresh: false,
+            random: false,
+        };
+        let head = config.model.task.head();
+        let (pretrained, tokenizer_json) =
+            load_model(config, source, head, |c| data.adapt(c), root)?;
+        let model = pretrained.model;
+        let pad_id = model.config.pad_token_id;
+        let options = TokenizeOptions {
+            tokenizer_json: &tokenizer_json,
+            pad_id,
+            max_seq_len: config.model.max_seq_len,
+        };
+        let set = data
+            .tokenize(&options, &MpiShards(dist), true)?
+            .eval
+            .context("no evaluation data")?;
+        let out = output_dir.unwrap_or(&default_dir);
+        if root {
+            std::fs::create_dir_all(out)
+                .with_context(|| format!("cannot create {}", out.display()))?;
+        }
+        let m = evaluate(
+            &model,
+            set.as_ref(),
+            &EvalOptions::new(config, pad_id, Some(out)),
+            dist,
+        )?;
+        if root {
+            write_eval_results(out, &m)?;
+        }
+        Ok(root.then_some(m))
+    })
+}

@@ -1,0 +1,503 @@
+//! Fine-tuning: `sprtrain --config X.toml`. [`Trainer::run`] is the loop, read top to bottom;
+//! [`Trainer::step`] is one optimizer step.
+//!
+//! Each optimizer step consumes one global batch (see `data::batching`): each process runs
+//! forward and backward on its micro-batches, gradients are gathered into the flat buffer and
+//! summed across processes bucket by bucket (`grad_sync`), then clipped and applied by AdamW —
+//! identically on every process. Dropout is reseeded from (seed, step, micro-batch) so a
+//! resumed run, or a run on another number of processes, draws the same masks. Rank 0 alone
+//! writes files and the progress bar; an error on any rank stops them all.
+//!
+//! The loop never asks which task it trains: the task (`crate::tasks`) reads and tokenizes the
+//! data, the features' targets make the labels, and the model's head computes the loss.
+
+mod dataset;
+pub mod eval;
+mod grad_sync;
+pub mod setup;
+mod window;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+
+use crate::checkpoint::{self, ModelFiles, TrainerState};
+use crate::config::{Config, EvalStrategy, TrainConfig};
+use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
+use crate::dist::Dist;
+use crate::models::layers::{seed_dropout, AutocastGuard};
+use crate::models::TaskModel;
+use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
+use crate::report::{MetricsLog, Progress};
+use crate::tasks::{self, EvalSet, TokenizeOptions, Tokenized};
+use dataset::{resolve_data, MpiShards};
+use eval::{evaluate, write_eval_results, EvalOptions};
+use grad_sync::{agree_and_broadcast, GradSync};
+use setup::{load_model, on_every_rank, prepare_output_dir, resolve_model, set_up_numerics};
+use window::{StepOutcome, StepTimes, StepWindow};
+
+pub use eval::evaluate_saved;
+pub use setup::ModelSource;
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Whether this process is rank 0, the one that reports.
+    pub root: bool,
+    pub output_dir: PathBuf,
+    pub steps: usize,
+    pub epochs_done: f64,
+    pub train_loss: f64,
+    pub wall_s: f64,
+    pub samples_per_s: f64,
+    pub eval: BTreeMap<String, f64>,
+}
+
+/// Runs the fine-tuning described by `config`; `resume` is `latest` or a checkpoint path.
+/// Under an MPI launcher this process is one rank of the job; an error on any rank is printed
+/// with its rank and stops every rank.
+pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
+    on_every_rank(config.dist.collective_timeout_s, |dist| {
+        Trainer::new(config, resume, dist)?.run()
+    })
+}
+
+/// The optimizer training uses: AdamW with `tc`'s hyperparameters over `flat`, the learning
+/// rate schedule over `total_steps`, and clipping.
+pub fn optimizer(tc: &TrainConfig, flat: FlatParams, total_steps: usize) -> Result<Optimizer> {
+    let total = total_steps as i64;
+    let warmup = LrSchedule::warmup_from(tc.warmup_steps as i64, tc.warmup_ratio, total);
+    let schedule = LrSchedule::new(tc.lr_scheduler, tc.learning_rate, warmup, total)?;
+    let adam = AdamWConfig {
+        beta1: tc.adam_beta1,
+        beta2: tc.adam_beta2,
+        eps: tc.adam_epsilon,
+        weight_decay: tc.weight_decay,
+    };
+    Ok(Optimizer {
+        adamw: AdamW::new(adam, &flat),
+        flat,
+        schedule,
+        max_grad_norm: tc.max_grad_norm,
+    })
+}
+
+/// How `examples` become global batches: the plan, steps per epoch and total steps.
+fn batch_plan(config: &Config, world: usize, examples: usize) -> Result<(BatchPlan, usize, usize)> {
+    let tc = &config.train;
+    let plan = BatchPlan {
+        micro_batch: tc.batch_size,
+        accumulation: tc.gradient_accumulation_steps,
+        world,
+        seed: config.runtime.seed,
+        drop_last: tc.drop_last,
+        group_by_length: config.data.group_by_length,
+    };
+    let steps_per_epoch = plan.steps_per_epoch(examples);
+    if steps_per_epoch == 0 {
+        bail!(
+            "{examples} training examples make no full global batch of {} (train.drop_last is set)",
+            plan.global_batch()
+        );
+    }
+    let total_steps = match tc.max_steps {
+        0 => tc.epochs * steps_per_epoch,
+        n => n,
+    };
+    Ok((plan, steps_per_epoch, total_steps))
+}
+
+/// The dropout stream's seed for one micro-batch: the same on every rank for the same
+/// micro-batch of the global batch.
+fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
+    seed.wrapping_mul(1_000_003)
+        .wrapping_add(step as u64 * 4096 + micro as u64)
+}
+
+/// The model and data of a run, ready to train.
+struct Prepared {
+    vs: tch::nn::VarStore,
+    model: TaskModel,
+    tokenizer_json: PathBuf,
+    train: Vec<Feature>,
+    eval: Option<Box<dyn EvalSet>>,
+}
+
+/// Reads the data (class labels from the training file fix the head's size), builds the
+/// model — the pretrained one with a head for this task, or the checkpoint to resume — and
+/// tokenizes once, the work shared between processes.
+fn prepare(config: &Config, dist: &Dist, resume_dir: Option<&std::path::Path>) -> Result<Prepared> {
+    let root = dist.is_root();
+    let (model_dir, random) = resolve_model(config, root)?;
+    let data = tasks::read(config, &resolve_data(config, root)?, root)?;
+    let source = ModelSource {
+        dir: resume_dir.unwrap_or(&model_dir),
+        fresh: resume_dir.is_none(),
+        random,
+    };
+    let head = config.model.task.head();
+    let (pretrained, tokenizer_json) = load_model(config, source, head, |c| data.adapt(c), root)?;
+    let options = TokenizeOptions {
+        tokenizer_json: &tokenizer_json,
+        pad_id: pretrained.model.config.pad_token_id,
+        max_seq_len: config.model.max_seq_len,
+    };
+    let Tokenized { train, eval } = data.tokenize(&options, &MpiShards(dist), false)?;
+    Ok(Prepared {
+        vs: pretrained.vs,
+        model: pretrained.model,
+        tokenizer_json,
+        train,
+        eval,
+    })
+}
+
+/// A training run on this process.
+pub struct Trainer<'a> {
+    config: &'a Config,
+    dist: &'a Dist,
+    started: Instant,
+    out: PathBuf,
+    /// bf16 compute while the run lives, where configured.
+    _autocast: AutocastGuard,
+    vs: tch::nn::VarStore,
+    model: TaskModel,
+    tokenizer_json: PathBuf,
+    /// The resolved config, saved with every checkpoint.
+    resolved_config: String,
+    train: Vec<Feature>,
+    /// Token count of each training feature, for length grouping.
+    lengths: Vec<usize>,
+    eval: Option<Box<dyn EvalSet>>,
+    pad_id: i64,
+    pad_to: Option<usize>,
+    plan: BatchPlan,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    opt: Optimizer,
+    sync: GradSync,
+    state: TrainerState,
+    log: Option<MetricsLog>,
+    progress: Progress,
+    /// Since the last log record, and since the start of this process's run.
+    window: StepWindow,
+    run_totals: StepWindow,
+    final_eval: BTreeMap<String, f64>,
+}
+
+impl<'a> Trainer<'a> {
+    /// Sets up a run: output directory, numerics, data, model, batch plan, optimizer (restored
+    /// when resuming), and agreement between processes on all of it.
+    pub fn new(config: &'a Config, resume: Option<&str>, dist: &'a Dist) -> Result<Self> {
+        let started = Instant::now();
+        let root = dist.is_root();
+        let out = PathBuf::from(&config.train.output_dir);
+        if root {
+            prepare_output_dir(&out, resume.is_some(), config.train.overwrite_output_dir)?;
+        }
+        let resume_dir = resume
+            .map(|spec| checkpoint::resume_dir(&out, spec))
+            .transpose()?;
+        let autocast = set_up_numerics(config, dist)?;
+        let p = prepare(config, dist, resume_dir.as_deref())?;
+        let (plan, steps_per_epoch, total_steps) =
+            batch_plan(config, dist.topo.world, p.train.len())?;
+        let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
+        agree_and_broadcast(dist, config, &flat, p.train.len())?;
+        let sync = GradSync::new(&flat, &p.model, config);
+        let mut opt = optimizer(&config.train, flat, total_steps)?;
+        let layout = opt.flat.layout();
+        let state = match &resume_dir {
+            Some(dir) => checkpoint::resume(dir, &mut opt.adamw, &layout, total_steps)?,
+            None => TrainerState::start(layout, total_steps),
+        };
+        let log = root
+            .then(|| MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some()))
+            .transpose()?;
+        Ok(Trainer {
+            config,
+            dist,
+            started,
+            _autocast: autocast,
+            resolved_config: config.to_toml()?,
+            lengths: p.train.iter().map(|f| f.input_ids.len()).collect(),
+            pad_id: p.model.config.pad_token_id,
+            pad_to: config
+                .data
+                .pad_to_max_length
+                .then_some(config.model.max_seq_len),
+            progress: Progress::new(total_steps, state.global_step, root),
+            out,
+            vs: p.vs,
+            model: p.model,
+            tokenizer_json: p.tokenizer_json,
+            train: p.train,
+            eval: p.eval,
+            plan,
+            steps_per_epoch,
+            total_steps,
+            opt,
+            sync,
+            state,
+            log,
+            window: StepWindow::default(),
+            run_totals: StepWindow::default(),
+            final_eval: BTreeMap::new(),
+        })
+    }
+
+    /// Trains to the planned number of steps, evaluating, logging and saving on the way;
+    /// then saves the final model.
+    pub fn run(mut self) -> Result<Summary> {
+        self.announce_start()?;
+        while self.state.global_step < self.total_steps {
+            let batches = self.plan.epoch(&self.lengths, self.state.epoch);
+            let mut epoch_done = false;
+            for (index, global) in batches.iter().enumerate().skip(self.state.batch_in_epoch) {
+                let outcome = self.step(global)?;
+                epoch_done = self.advance(index, batches.len());
+                let last = self.state.global_step == self.total_steps;
+                let epoch = self.state.epoch as f64
+                    + self.state.batch_in_epoch as f64 / batches.len() as f64;
+                self.after_step(&outcome, epoch, epoch_done, last)?;
+                if last || epoch_done {
+                    break;
+                }
+            }
+            if !epoch_done && self.state.global_step < self.total_steps {
+                // Only reachable when resuming exactly at an epoch's end.
+                self.state.epoch += 1;
+                self.state.batch_in_epoch = 0;
+            }
+        }
+        self.finish()
+    }
+
+    /// One optimizer step on global batch `global`: forward and backward of this process's
+    /// micro-batches, the gradient summed over all processes, then clipping and AdamW.
+    pub fn step(&mut self, global: &[usize]) -> Result<StepOutcome> {
+        let micro = self.plan.micro_batches(global, self.dist.topo.rank);
+        // Each micro-batch's mean loss counts 1/(micro-batches in the whole step): the
+        // gradient is their mean whatever the number of processes, tails included.
+        let micro_in_step = global.len().div_ceil(self.plan.micro_batch) as f64;
+        let distributed = self.dist.topo.world > 1;
+        let (mut times, mut loss_sum, mut tokens) = (StepTimes::default(), 0.0, 0usize);
+        self.sync.begin(self.state.global_step + 1);
+        for (m, indices) in micro.iter().enumerate() {
+            let t = Instant::now();
+            let batch: Vec<&Feature> = indices.iter().map(|&i| &self.train[i]).collect();
+            let (inputs, real_tokens) = collate(&batch, self.pad_id, self.pad_to);
+            let labels = batch_labels(&batch)?;
+            times.data += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let micro_index = self.dist.topo.rank * self.plan.accumulation + m;
+            let seed = self.config.runtime.seed;
+            seed_dropout(dropout_seed(seed, self.state.global_step, micro_index));
+            // The last micro-batch of a step, with several processes, runs backward stage by
+            // stage so each gradient bucket leaves as soon as it is complete.
+            let staged = distributed && m + 1 == micro.len();
+            let (output, boundaries) = if staged {
+                self.model.forward_staged(&inputs, true)
+            } else {
+                (self.model.forward(&inputs, true), Vec::new())
+            };
+            let loss = self.model.loss(&output, &labels)? / micro_in_step;
+            times.forward += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            if staged {
+                self.sync
+                    .backward_staged(&loss, &boundaries, &self.opt.flat, self.dist)?;
+            } else {
+                loss.backward();
+            }
+            loss_sum += loss.double_value(&[]);
+            times.backward += t.elapsed().as_secs_f64();
+            tokens += real_tokens;
+        }
+        let t = Instant::now();
+        if distributed {
+            self.sync.finish(&self.opt.flat, self.dist)?;
+        }
+        let totals = self
+            .dist
+            .allreduce_sum_f64("step loss", vec![loss_sum, tokens as f64])?;
+        times.comm_exposed += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let update = self.opt.step(self.state.global_step);
+        times.optimizer += t.elapsed().as_secs_f64();
+        if !totals[0].is_finite() {
+            bail!(
+                "loss became {} at step {}",
+                totals[0],
+                self.state.global_step + 1
+            );
+        }
+        Ok(StepOutcome {
+            loss: totals[0],
+            samples: global.len(),
+            tokens: totals[1] as usize,
+            update,
+            times,
+        })
+    }
+
+    /// Moves the state past global batch `index` of `batches`; true when the epoch ended.
+    fn advance(&mut self, index: usize, batches: usize) -> bool {
+        let s = &mut self.state;
+        s.global_step += 1;
+        s.optimizer_step = self.opt.adamw.step;
+        s.batch_in_epoch = index + 1;
+        if s.batch_in_epoch < batches {
+            return false;
+        }
+        s.epoch += 1;
+        s.batch_in_epoch = 0;
+        true
+    }
+
+    /// Logging, evaluation and checkpoints due after a step.
+    fn after_step(
+        &mut self,
+        outcome: &StepOutcome,
+        epoch: f64,
+        epoch_done: bool,
+        last: bool,
+    ) -> Result<()> {
+        let (tc, step) = (&self.config.train, self.state.global_step);
+        self.window.add(outcome);
+        self.run_totals.add(outcome);
+        self.progress.step(outcome.loss, outcome.samples);
+        if step % tc.logging_steps.max(1) == 0 || last {
+            let record = self.window.take_record(step, epoch, outcome.update);
+            self.record(record)?;
+        }
+        let eval_now = match self.config.eval.strategy {
+            EvalStrategy::Steps => step % self.config.eval.steps.max(1) == 0,
+            EvalStrategy::Epoch => epoch_done,
+            EvalStrategy::No => false,
+        };
+        if eval_now || last {
+            self.evaluate(epoch, last)?;
+        }
+        if self.dist.is_root() && ((tc.save_steps > 0 && step % tc.save_steps == 0) || last) {
+            let dir = checkpoint::save_checkpoint(
+                &self.out,
+                &self.files(),
+                &self.state,
+                &self.opt.adamw.moments(),
+                tc.save_total_limit,
+            )?;
+            self.progress.note(&format!("saved {}", dir.display()));
+        }
+        Ok(())
+    }
+
+    /// Evaluates on the held-out set, if there is one; keeps the last evaluation's metrics.
+    fn evaluate(&mut self, epoch: f64, last: bool) -> Result<()> {
+        let Some(set) = self.eval.as_deref() else {
+            return Ok(());
+        };
+        let options = EvalOptions::new(self.config, self.pad_id, Some(&self.out));
+        let mut metrics = evaluate(&self.model, set, &options, self.dist)?;
+        let mut record = json!({"step": self.state.global_step, "epoch": epoch});
+        for (k, v) in &metrics {
+            record[k] = json!(v);
+        }
+        self.record(record)?;
+        if last {
+            metrics.insert("epoch".into(), epoch);
+            self.final_eval = metrics;
+        }
+        Ok(())
+    }
+
+    /// One record: into metrics.jsonl (rank 0), beside the progress bar, and into the history
+    /// checkpoints keep.
+    fn record(&mut self, record: Value) -> Result<()> {
+        if let Some(log) = self.log.as_mut() {
+            log.write(&record)?;
+        }
+        self.progress.log(&record);
+        self.state.log_history.push(record);
+        Ok(())
+    }
+
+    fn files(&self) -> ModelFiles<'_> {
+        ModelFiles {
+            model: &self.model,
+            vs: &self.vs,
+            tokenizer_json: &self.tokenizer_json,
+            resolved_config: &self.resolved_config,
+        }
+    }
+
+    /// Says what the run will do, and marks the end of startup in metrics.jsonl (everything
+    /// before the first step: libtorch loading, model, data, optimizer).
+    fn announce_start(&mut self) -> Result<()> {
+        if !self.dist.is_root() {
+            return Ok(());
+        }
+        tracing::info!(
+            "{} examples ({} held for evaluation), {} steps of {} examples, {} parameters in {} gradient buckets",
+            self.train.len(),
+            self.eval.as_ref().map_or(0, |e| e.features().len()),
+            self.total_steps,
+            self.plan.global_batch(),
+            self.opt.flat.numel(),
+            self.sync.buckets()
+        );
+        let startup_s = crate::sysinfo::process_age_s();
+        let unix_time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        if let Some(log) = self.log.as_mut() {
+            log.write(&json!({
+                "event": "train_begin", "step": self.state.global_step, "unix_time": unix_time,
+                "startup_s": startup_s,
+            }))?;
+        }
+        if let Some(s) = startup_s {
+            tracing::info!("ready to train {s:.2} s after the process started");
+        }
+        Ok(())
+    }
+
+    /// Rank 0 saves the final model at the root of the output directory with the results and
+    /// the plot; every rank reports.
+    fn finish(mut self) -> Result<Summary> {
+        self.progress.finish();
+        let root = self.dist.is_root();
+        if let Some(log) = self.log.as_mut() {
+            log.write(&json!({
+                "event": "train_end", "step": self.state.global_step,
+                "peak_rss_mib": crate::sysinfo::peak_rss_mib(),
+            }))?;
+        }
+        if root {
+            checkpoint::save_final(&self.out, &self.files())?;
+            if !self.final_eval.is_empty() {
+                write_eval_results(&self.out, &self.final_eval)?;
+            }
+            if let Err(e) =
+                crate::report::plot(&self.out.join("training.png"), &self.state.log_history)
+            {
+                tracing::warn!("no plot: {e:#}");
+            }
+        }
+        let wall_s = self.started.elapsed().as_secs_f64();
+        let s = &self.state;
+        Ok(Summary {
+            root,
+            output_dir: self.out,
+            steps: s.global_step,
+            epochs_done: s.epoch as f64 + s.batch_in_epoch as f64 / self.steps_per_epoch as f64,
+            train_loss: self.run_totals.mean_loss(),
+            wall_s,
+            samples_per_s: self.run_totals.samples() as f64 / wall_s,
+            eval: self.final_eval,
+        })
+    }
+}

@@ -1,0 +1,149 @@
+//! Before the first step: where the model comes from and how it is built, the numerics and
+//! threads of this process, the output directory, and how an error on one rank stops all.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tch::Kind;
+
+use crate::checkpoint;
+use crate::config::{Config, Precision};
+use crate::dist::Dist;
+use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
+use crate::hub;
+use crate::models::{self, layers::AutocastGuard, EncoderConfig, Head};
+use crate::sysinfo::{self, CpuInfo};
+
+/// The model directory, and whether to build it with random weights: `model.random_init`, or
+/// the `model.offline_fallback` directory when the Hub cannot be reached.
+pub fn resolve_model(config: &Config, report: bool) -> Result<(PathBuf, bool)> {
+    let m = &config.model;
+    match hub::resolve_model_dir(&m.name_or_path, &m.revision) {
+        Ok(dir) => Ok((dir, m.random_init)),
+        Err(e) if !m.offline_fallback.is_empty() && !Path::new(&m.name_or_path).exists() => {
+            if report {
+                tracing::warn!(
+                    "cannot get {} from the Hugging Face Hub ({e:#}); building its architecture from {}/config.json with RANDOM weights instead (model.offline_fallback): a smoke run, not a fine-tuning of the pretrained model",
+                    m.name_or_path,
+                    m.offline_fallback
+                );
+            }
+            Ok((PathBuf::from(&m.offline_fallback), true))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Where a model is loaded from, and how.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelSource<'a> {
+    pub dir: &'a Path,
+    /// A new run (not a resume): honours `model.tokenizer_file` and `random`.
+    pub fresh: bool,
+    /// Build from config.json alone with random weights (only when `fresh`).
+    pub random: bool,
+}
+
+/// The run's model with its `head` from `source`, and its tokenizer.json; `adapt` changes
+/// config.json first. With `report`, says what the load did. Checks `model.max_seq_len`
+/// against the model's positions.
+pub fn load_model(
+    config: &Config,
+    source: ModelSource,
+    head: Head,
+    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    report: bool,
+) -> Result<(models::Pretrained, PathBuf)> {
+    let seed = config.runtime.seed as i64;
+    let (dir, random) = (source.dir, source.fresh && source.random);
+    let loaded = if random {
+        models::from_config(dir, head, adapt, seed)?
+    } else {
+        models::from_pretrained(dir, head, adapt, seed)?
+    };
+    let class = loaded.model.class_name();
+    if report && random {
+        tracing::warn!(
+            "{class} randomly initialised from {}: no pretrained weights",
+            dir.join(CONFIG_FILE).display()
+        );
+    } else if report {
+        for line in loaded.report.summary_lines(&class, dir) {
+            tracing::warn!("{line}");
+        }
+    }
+    let c = &loaded.model.config;
+    let usable = c.max_input_tokens();
+    if config.model.max_seq_len > usable {
+        bail!(
+            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
+            config.model.max_seq_len,
+            c.max_position_embeddings
+        );
+    }
+    let tokenizer = if source.fresh && !config.model.tokenizer_file.is_empty() {
+        PathBuf::from(&config.model.tokenizer_file)
+    } else {
+        dir.join(TOKENIZER_FILE)
+    };
+    Ok((loaded, tokenizer))
+}
+
+/// Resolves the precision (bf16 compute on fp32 master weights, for training and evaluation
+/// alike, while the returned guard lives) and places this process's threads.
+pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
+    let precision = config.runtime.precision.resolve(&CpuInfo::detect());
+    let autocast =
+        models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
+    let threads =
+        sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
+    tch::set_num_threads(threads.count as i32);
+    if dist.is_root() {
+        tracing::info!(
+            "precision {precision:?}, {} process(es), allocator {}",
+            dist.topo.world,
+            crate::allocator::in_use()
+        );
+    }
+    tracing::info!("{}", threads.describe(&dist.topo));
+    Ok(autocast)
+}
+
+/// Refuses to overwrite earlier checkpoints unless asked to, then makes sure `out` exists.
+pub fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
+    let existing = checkpoint::list_checkpoints(out)?;
+    if !existing.is_empty() && !resume {
+        if !overwrite {
+            bail!(
+                "output directory {} already holds checkpoints ({}); pass --resume latest to continue, or set train.overwrite_output_dir = true",
+                out.display(),
+                existing.iter().map(|(s, _)| format!("checkpoint-{s}")).collect::<Vec<_>>().join(", ")
+            );
+        }
+        for (_, dir) in existing {
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("cannot remove {}", dir.display()))?;
+        }
+    }
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("cannot create output directory {}", out.display()))
+}
+
+/// Runs `job` as one rank of the job under MPI: with several processes, an error on one is
+/// printed with its rank and stops them all (a lone error would leave the others waiting in
+/// a collective).
+pub fn on_every_rank<T>(
+    collective_timeout_s: f64,
+    job: impl FnOnce(&Dist) -> Result<T>,
+) -> Result<T> {
+    let dist = Dist::init(collective_timeout_s)?;
+    let _rank =
+        (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
+    match job(&dist) {
+        Err(e) if dist.topo.world > 1 => {
+            crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
+            dist.abort(1)
+        }
+        r => r,
+    }
+}
