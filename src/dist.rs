@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use mpi::collective::SystemOperation;
-use mpi::datatype::PartitionMut;
+use mpi::datatype::{Partition, PartitionMut};
 use mpi::traits::*;
 
 /// Writes one line to stderr in a single write, so lines of several ranks sharing a pipe never
@@ -101,14 +101,7 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
                 // the reply (see `Dist::start_allreduce_into`).
                 let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
                 if bf16 {
-                    // bf16 on the wire, summed in fp32 in rank order: the same result everywhere.
-                    let wire: Vec<u16> = send.iter().map(|&x| f32_to_bf16(x)).collect();
-                    out.iter_mut().for_each(|x| *x = 0.0);
-                    for part in &all_gather_varcount(&world, &wire) {
-                        for (s, &h) in out.iter_mut().zip(part) {
-                            *s += f32::from_bits((h as u32) << 16);
-                        }
-                    }
+                    allreduce_bf16_wire(&world, &send, out);
                 } else {
                     world.all_reduce_into(&send[..], out, SystemOperation::sum());
                 }
@@ -131,6 +124,49 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
             }
             Job::Abort(code) => world.abort(code),
         }
+    }
+}
+
+/// Element range of rank `rank`'s chunk when `len` elements are cut among `world` ranks.
+fn chunk(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    len * rank / world..len * (rank + 1) / world
+}
+
+/// Sums `send` over all ranks into `out` with bf16 on the wire: a reduce-scatter then an
+/// all-gather, as a ring allreduce moves data. Each rank sends every other rank that rank's
+/// chunk of its bf16 buffer (an all-to-all), sums the N copies of its own chunk in fp32 in
+/// rank order and rounds the sum to bf16, and the rounded chunks are all-gathered. Each rank
+/// sends and receives 2 (N-1)/N x 2 bytes per element (fp32's ring allreduce: 2 (N-1)/N x 4),
+/// and every rank ends with the same values: each chunk's sum is computed once, by its owner.
+fn allreduce_bf16_wire(world: &mpi::topology::SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+    let n = world.size() as usize;
+    let rank = world.rank() as usize;
+    let len = send.len();
+    let wire: Vec<u16> = send.iter().map(|&x| f32_to_bf16(x)).collect();
+    let mine = chunk(len, n, rank);
+    let send_counts: Vec<i32> = (0..n).map(|r| chunk(len, n, r).len() as i32).collect();
+    let send_displs: Vec<i32> = (0..n).map(|r| chunk(len, n, r).start as i32).collect();
+    let recv_counts = vec![mine.len() as i32; n];
+    let recv_displs: Vec<i32> = (0..n).map(|r| (r * mine.len()) as i32).collect();
+    let mut copies = vec![0u16; n * mine.len()];
+    {
+        let sendbuf = Partition::new(&wire[..], &send_counts[..], &send_displs[..]);
+        let mut recvbuf = PartitionMut::new(&mut copies[..], &recv_counts[..], &recv_displs[..]);
+        world.all_to_all_varcount_into(&sendbuf, &mut recvbuf);
+    }
+    let mut sum = vec![0f32; mine.len()];
+    for copy in copies.chunks(mine.len().max(1)).take(n) {
+        for (s, &h) in sum.iter_mut().zip(copy) {
+            *s += bf16_to_f32(h);
+        }
+    }
+    let rounded: Vec<u16> = sum.iter().map(|&x| f32_to_bf16(x)).collect();
+    let mut at = 0;
+    for part in all_gather_varcount(world, &rounded) {
+        for (o, &h) in out[at..at + part.len()].iter_mut().zip(&part) {
+            *o = bf16_to_f32(h);
+        }
+        at += part.len();
     }
 }
 
@@ -269,7 +305,8 @@ impl Dist {
 
     /// Starts summing `send` over all ranks into `dst` and returns at once; the MPI thread
     /// works through started sums in order while the caller computes. `bf16` puts bf16 on the
-    /// wire (half the traffic), summed in fp32. `Pending::wait` gives the send buffer back.
+    /// wire (half fp32's bytes: a reduce-scatter and an all-gather, summed in fp32, the sum
+    /// rounded to bf16). `Pending::wait` gives the send buffer back.
     ///
     /// # Safety
     /// `dst` must stay valid, and be neither read nor written by anyone else, until `wait`
@@ -385,6 +422,11 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     ((bits.wrapping_add(rounding)) >> 16) as u16
 }
 
+/// The fp32 value of a bf16 bit pattern (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
@@ -403,6 +445,20 @@ mod tests {
         assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie rounds to even (down)
         assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie rounds to even (up)
         assert_eq!(f32_to_bf16(f32::from_bits(0xc049_0fd0)), 0xc049);
+    }
+
+    #[test]
+    fn chunks_cover_the_buffer_in_rank_order() {
+        for (len, world) in [(10, 4), (3, 4), (0, 2), (1_000_003, 8)] {
+            let mut next = 0;
+            for rank in 0..world {
+                let c = chunk(len, world, rank);
+                assert_eq!(c.start, next);
+                assert!(c.len() <= len.div_ceil(world));
+                next = c.end;
+            }
+            assert_eq!(next, len);
+        }
     }
 
     #[test]

@@ -288,3 +288,73 @@ fn rank_pid(config: &Path, rank: usize) -> Option<i32> {
     }
     None
 }
+
+/// Set in the environment of the ranks that `bf16_wire_sums_agree_within_rounding` launches.
+const BF16_RANK_CHECK: &str = "SPRTRAIN_TEST_BF16_WIRE_RANK";
+
+/// bf16 on the wire (reduce-scatter, fp32 sums, all-gather) at 2 and 4 ranks: the test runs
+/// itself under mpirun, and each rank checks its own result (see `bf16_wire_rank_check`).
+#[test]
+fn bf16_wire_sums_agree_within_rounding() {
+    if std::env::var_os(BF16_RANK_CHECK).is_some() {
+        return bf16_wire_rank_check();
+    }
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    for ranks in ["2", "4"] {
+        let mut cmd = Command::new(&mpirun);
+        cmd.args(["-n", ranks])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "bf16_wire_sums_agree_within_rounding",
+                "--nocapture",
+            ])
+            .env(BF16_RANK_CHECK, "1");
+        run_ok(cmd);
+    }
+}
+
+/// One rank's part: 100,003 values over six orders of magnitude, different on every rank,
+/// summed with bf16 on the wire. Every element is within bf16 rounding of the exact sum:
+/// each input rounds with relative error at most 2^-8 (bf16 keeps 8 significant bits), the
+/// fp32 sum adds at most N 2^-24 of the magnitudes, and the sum rounds once more by 2^-8, so
+/// |got - exact| <= 2^-8 (sum |x_r| + |exact|) + 2^-20 sum |x_r|. Every rank holds the same
+/// values, bit for bit; and rounding happened (some differ from the fp32 sum).
+fn bf16_wire_rank_check() {
+    let dist = sprtrain::dist::Dist::init(60.0).unwrap();
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    assert!(world > 1, "launched without a world");
+    let value = |r: usize, i: usize| -> f64 {
+        let u = ((i * 2_654_435_761 + r * 7_919) % 10_007) as f64 / 10_007.0 - 0.5;
+        u * 10f64.powi((i % 7) as i32 - 3)
+    };
+    let len = 100_003;
+    let send: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
+    let mut got = vec![0f32; len];
+    // SAFETY: `got` is used by nothing else until `wait` returns.
+    let pending = unsafe {
+        dist.start_allreduce_into("bf16 check".into(), send, &mut got, true)
+            .unwrap()
+    };
+    pending.wait(&dist).unwrap();
+    let mut rounded = 0;
+    for (i, &g) in got.iter().enumerate() {
+        let xs: Vec<f64> = (0..world).map(|r| value(r, i) as f32 as f64).collect();
+        let exact: f64 = xs.iter().sum();
+        let magnitude: f64 = xs.iter().map(|x| x.abs()).sum();
+        let bound = 2f64.powi(-8) * (magnitude + exact.abs()) + 2f64.powi(-20) * magnitude;
+        let err = (g as f64 - exact).abs();
+        assert!(
+            err <= bound,
+            "rank {rank} element {i}: {g} vs {exact} (bound {bound:e})"
+        );
+        rounded += usize::from(g != exact as f32);
+    }
+    assert!(rounded > len / 10, "only {rounded} sums were rounded");
+    let all = dist.all_gather_f32("bf16 results", got).unwrap();
+    for (r, theirs) in all.iter().enumerate() {
+        assert!(theirs == &all[0], "rank {r} holds other sums than rank 0");
+    }
+}

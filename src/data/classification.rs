@@ -25,21 +25,18 @@ pub enum DataFormat {
     Parquet,
 }
 
-/// How to read a classification file.
+/// How to read a classification file: the `data.*` settings of the same names
+/// (`config::DataConfig` documents each).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReadOptions {
     pub format: DataFormat,
-    /// Whether CSV/TSV files start with a header row; without one, columns are 0-based indices.
     pub has_header: bool,
-    /// Column (or JSON field) holding the text.
     pub text_column: String,
-    /// Column holding the second text of a pair; empty for single texts.
+    /// Empty for single texts.
     pub text_pair_column: String,
-    /// Column holding the label: a class id, a class name, or a number for regression.
     pub label_column: String,
     /// Class names in id order; empty to infer them.
     pub label_names: Vec<String>,
-    /// Skip rows with a missing column or a bad label (counted in one warning) instead of failing.
     pub skip_bad_rows: bool,
 }
 
