@@ -518,6 +518,14 @@ impl Config {
         Ok(lines)
     }
 
+    /// The length every batch is padded to (`data.pad_to_max_length`), if any; else each
+    /// batch is padded to its longest example.
+    pub fn pad_to(&self) -> Option<usize> {
+        self.data
+            .pad_to_max_length
+            .then_some(self.model.max_seq_len)
+    }
+
     /// The resolved config as TOML, as saved beside checkpoints.
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string_pretty(self).context("cannot serialise config")

@@ -143,20 +143,22 @@ fn allreduce_bf16_wire(world: &mpi::topology::SimpleCommunicator, send: &[f32], 
     let rank = world.rank() as usize;
     let len = send.len();
     let wire: Vec<u16> = send.iter().map(|&x| f32_to_bf16(x)).collect();
-    let mine = chunk(len, n, rank);
-    let send_counts: Vec<i32> = (0..n).map(|r| chunk(len, n, r).len() as i32).collect();
-    let send_displs: Vec<i32> = (0..n).map(|r| chunk(len, n, r).start as i32).collect();
-    let recv_counts = vec![mine.len() as i32; n];
-    let recv_displs: Vec<i32> = (0..n).map(|r| (r * mine.len()) as i32).collect();
-    let mut copies = vec![0u16; n * mine.len()];
+    let chunks: Vec<std::ops::Range<usize>> = (0..n).map(|r| chunk(len, n, r)).collect();
+    let m = chunks[rank].len();
+    let send_counts: Vec<i32> = chunks.iter().map(|c| c.len() as i32).collect();
+    let send_displs: Vec<i32> = chunks.iter().map(|c| c.start as i32).collect();
+    let recv_counts = vec![m as i32; n];
+    let recv_displs: Vec<i32> = (0..n).map(|r| (r * m) as i32).collect();
+    // copies[r * m..(r + 1) * m]: rank r's values of this rank's chunk.
+    let mut copies = vec![0u16; n * m];
     {
         let sendbuf = Partition::new(&wire[..], &send_counts[..], &send_displs[..]);
         let mut recvbuf = PartitionMut::new(&mut copies[..], &recv_counts[..], &recv_displs[..]);
         world.all_to_all_varcount_into(&sendbuf, &mut recvbuf);
     }
-    let mut sum = vec![0f32; mine.len()];
-    for copy in copies.chunks(mine.len().max(1)).take(n) {
-        for (s, &h) in sum.iter_mut().zip(copy) {
+    let mut sum = vec![0f32; m];
+    for r in 0..n {
+        for (s, &h) in sum.iter_mut().zip(&copies[r * m..(r + 1) * m]) {
             *s += bf16_to_f32(h);
         }
     }
@@ -423,7 +425,7 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 }
 
 /// The fp32 value of a bf16 bit pattern (exact).
-pub fn bf16_to_f32(h: u16) -> f32 {
+fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 

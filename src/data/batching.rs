@@ -220,49 +220,30 @@ pub fn collate(
 }
 
 /// A batch's labels, of the kind its features' targets are: (B) class ids, (B) regression
-/// values, or (B) start and (B) end positions. A batch mixing kinds is an error.
+/// values, or (B) start and (B) end positions. An empty batch, or one mixing kinds, is an
+/// error.
 pub fn batch_labels(features: &[&Feature]) -> Result<Labels> {
-    let first = features.first().map(|f| f.target);
-    let same_kind = |f: &&&Feature| {
-        first.is_some_and(|t| std::mem::discriminant(&t) == std::mem::discriminant(&f.target))
-    };
-    if !features.iter().all(|f| same_kind(&f)) {
-        anyhow::bail!("a batch mixes targets of different kinds (or is empty)");
-    }
-    Ok(match first {
-        Some(Target::Span(..)) => {
-            let (start, end): (Vec<i64>, Vec<i64>) = features
-                .iter()
-                .map(|f| match f.target {
-                    Target::Span(s, e) => (s, e),
-                    _ => (0, 0),
-                })
-                .unzip();
-            Labels::Spans {
-                start: Tensor::from_slice(&start),
-                end: Tensor::from_slice(&end),
+    let (mut classes, mut values, mut starts, mut ends) = (vec![], vec![], vec![], vec![]);
+    for f in features {
+        match f.target {
+            Target::Class(c) => classes.push(c as i64),
+            Target::Value(v) => values.push(v as f32),
+            Target::Span(s, e) => {
+                starts.push(s);
+                ends.push(e);
             }
         }
-        Some(Target::Value(_)) => {
-            let values: Vec<f32> = features
-                .iter()
-                .map(|f| match f.target {
-                    Target::Value(v) => v as f32,
-                    _ => 0.0,
-                })
-                .collect();
-            Labels::Values(Tensor::from_slice(&values))
-        }
-        _ => {
-            let ids: Vec<i64> = features
-                .iter()
-                .map(|f| match f.target {
-                    Target::Class(c) => c as i64,
-                    _ => 0,
-                })
-                .collect();
-            Labels::Classes(Tensor::from_slice(&ids))
-        }
+    }
+    let n = features.len();
+    Ok(match (classes.len(), values.len(), starts.len()) {
+        _ if n == 0 => anyhow::bail!("an empty batch has no labels"),
+        (c, _, _) if c == n => Labels::Classes(Tensor::from_slice(&classes)),
+        (_, v, _) if v == n => Labels::Values(Tensor::from_slice(&values)),
+        (_, _, s) if s == n => Labels::Spans {
+            start: Tensor::from_slice(&starts),
+            end: Tensor::from_slice(&ends),
+        },
+        _ => anyhow::bail!("a batch mixes targets of different kinds"),
     })
 }
 
@@ -355,6 +336,33 @@ mod tests {
         let back = decode_features(&encode_features(&f)).unwrap();
         assert_eq!(back, f);
         assert!(decode_features(&encode_features(&f)[..10]).is_err());
+    }
+
+    #[test]
+    fn labels_follow_the_targets() {
+        let feature = |target| Feature {
+            input_ids: vec![1, 2],
+            type_ids: vec![0, 0],
+            target,
+        };
+        let (a, b) = (feature(Target::Class(2)), feature(Target::Class(0)));
+        let Labels::Classes(y) = batch_labels(&[&a, &b]).unwrap() else {
+            panic!("class targets make class labels")
+        };
+        assert_eq!(Vec::<i64>::try_from(&y).unwrap(), [2, 0]);
+        let v = feature(Target::Value(-0.25));
+        let Labels::Values(y) = batch_labels(&[&v]).unwrap() else {
+            panic!("values make value labels")
+        };
+        assert_eq!(Vec::<f32>::try_from(&y).unwrap(), [-0.25]);
+        let s = feature(Target::Span(3, 4));
+        let Labels::Spans { start, end } = batch_labels(&[&s, &s]).unwrap() else {
+            panic!("spans make span labels")
+        };
+        assert_eq!(Vec::<i64>::try_from(&start).unwrap(), [3, 3]);
+        assert_eq!(Vec::<i64>::try_from(&end).unwrap(), [4, 4]);
+        assert!(batch_labels(&[&a, &v]).is_err());
+        assert!(batch_labels(&[]).is_err());
     }
 
     #[test]

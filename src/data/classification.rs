@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-
 use serde::{Deserialize, Serialize};
 
 use super::batching::{Feature, Target};
@@ -415,17 +414,9 @@ pub fn id2label(kind: &LabelKind) -> BTreeMap<usize, String> {
 mod tests {
     use super::*;
 
-    /// DataConfig's defaults, changed by `f`.
+    /// The read options of the default `[data]` settings, changed by `f`.
     fn cfg(f: impl FnOnce(&mut ReadOptions)) -> ReadOptions {
-        let mut c = ReadOptions {
-            format: DataFormat::Auto,
-            has_header: true,
-            text_column: "sentence".into(),
-            text_pair_column: String::new(),
-            label_column: "label".into(),
-            label_names: Vec::new(),
-            skip_bad_rows: false,
-        };
+        let mut c = crate::tasks::sequence_classification::read_options(&Default::default());
         f(&mut c);
         c
     }

@@ -54,20 +54,6 @@ pub trait Shards {
     ) -> Result<Vec<Feature>>;
 }
 
-/// One process tokenizes everything itself.
-pub struct Unsharded;
-
-impl Shards for Unsharded {
-    fn tokenize_shared(
-        &self,
-        _what: &str,
-        n: usize,
-        tokenize: &dyn Fn(Range<usize>) -> Result<Vec<Feature>>,
-    ) -> Result<Vec<Feature>> {
-        tokenize(0..n)
-    }
-}
-
 /// A task's examples, read from the run's files.
 pub trait TaskData {
     /// Changes the model's config.json for these data before the model is built (class

@@ -26,7 +26,8 @@ fn problem_type(model: &ModelConfig) -> Result<ProblemType> {
     }
 }
 
-fn read_options(data: &DataConfig) -> ReadOptions {
+/// The classification reader's options from the `[data]` settings.
+pub(crate) fn read_options(data: &DataConfig) -> ReadOptions {
     ReadOptions {
         format: data.format,
         has_header: data.has_header,

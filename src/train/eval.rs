@@ -7,15 +7,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::dataset::{resolve_data, MpiShards};
-use super::setup::{load_model, on_every_rank, set_up_numerics, ModelSource};
+use super::dataset::resolve_data;
+use super::setup::{on_every_rank, prepare, set_up_numerics, ModelSource};
 use crate::atomic_file::write_json;
 use crate::config::Config;
 use crate::data::batching::{batch_labels, collate};
 use crate::dist::Dist;
 use crate::hf_files::CONFIG_FILE;
 use crate::models::TaskModel;
-use crate::tasks::{self, EvalSet, TokenizeOptions};
+use crate::tasks::{self, EvalSet};
 
 /// Where evaluation results go in an output directory.
 pub const EVAL_RESULTS: &str = "eval_results.json";
@@ -23,7 +23,6 @@ pub const EVAL_RESULTS: &str = "eval_results.json";
 /// How evaluation batches are made and where predictions go.
 pub struct EvalOptions<'a> {
     pub batch_size: usize,
-    pub pad_id: i64,
     pub pad_to: Option<usize>,
     /// Where rank 0 writes the task's prediction files (question answering's
     /// predictions.json and nbest_predictions.json).
@@ -31,14 +30,10 @@ pub struct EvalOptions<'a> {
 }
 
 impl<'a> EvalOptions<'a> {
-    pub fn new(config: &Config, pad_id: i64, predictions_dir: Option<&'a Path>) -> Self {
+    pub fn new(config: &Config, predictions_dir: Option<&'a Path>) -> Self {
         EvalOptions {
             batch_size: config.eval.batch_size,
-            pad_id,
-            pad_to: config
-                .data
-                .pad_to_max_length
-                .then_some(config.model.max_seq_len),
+            pad_to: config.pad_to(),
             predictions_dir,
         }
     }
@@ -57,7 +52,7 @@ pub fn evaluate(
     let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
     let (mut loss_sum, mut outputs) = (0.0, Vec::new());
     for batch in shard.chunks(opts.batch_size) {
-        let (inputs, _) = collate(batch, opts.pad_id, opts.pad_to);
+        let (inputs, _) = collate(batch, model.config.pad_token_id, opts.pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
         let labels = batch_labels(batch)?;
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * batch.len() as f64;
@@ -107,29 +102,17 @@ pub fn evaluate_saved(
             fresh: false,
             random: false,
         };
-        let head = config.model.task.head();
-        let (pretrained, tokenizer_json) =
-            load_model(config, source, head, |c| data.adapt(c), root)?;
-        let model = pretrained.model;
-        let pad_id = model.config.pad_token_id;
-        let options = TokenizeOptions {
-            tokenizer_json: &tokenizer_json,
-            pad_id,
-            max_seq_len: config.model.max_seq_len,
-        };
-        let set = data
-            .tokenize(&options, &MpiShards(dist), true)?
-            .eval
-            .context("no evaluation data")?;
+        let p = prepare(config, dist, data, source, true)?;
+        let set = p.eval.context("no evaluation data")?;
         let out = output_dir.unwrap_or(&default_dir);
         if root {
             std::fs::create_dir_all(out)
                 .with_context(|| format!("cannot create {}", out.display()))?;
         }
         let m = evaluate(
-            &model,
+            &p.model,
             set.as_ref(),
-            &EvalOptions::new(config, pad_id, Some(out)),
+            &EvalOptions::new(config, Some(out)),
             dist,
         )?;
         if root {

@@ -32,11 +32,11 @@ use crate::models::layers::{seed_dropout, AutocastGuard};
 use crate::models::TaskModel;
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::{MetricsLog, Progress};
-use crate::tasks::{self, EvalSet, TokenizeOptions, Tokenized};
-use dataset::{resolve_data, MpiShards};
+use crate::tasks::{self, EvalSet};
+use dataset::resolve_data;
 use eval::{evaluate, write_eval_results, EvalOptions};
 use grad_sync::{agree_and_broadcast, GradSync};
-use setup::{load_model, on_every_rank, prepare_output_dir, resolve_model, set_up_numerics};
+use setup::{on_every_rank, prepare, prepare_output_dir, resolve_model, set_up_numerics};
 use window::{StepOutcome, StepTimes, StepWindow};
 
 pub use eval::evaluate_saved;
@@ -117,44 +117,6 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
         .wrapping_add(step as u64 * 4096 + micro as u64)
 }
 
-/// The model and data of a run, ready to train.
-struct Prepared {
-    vs: tch::nn::VarStore,
-    model: TaskModel,
-    tokenizer_json: PathBuf,
-    train: Vec<Feature>,
-    eval: Option<Box<dyn EvalSet>>,
-}
-
-/// Reads the data (class labels from the training file fix the head's size), builds the
-/// model — the pretrained one with a head for this task, or the checkpoint to resume — and
-/// tokenizes once, the work shared between processes.
-fn prepare(config: &Config, dist: &Dist, resume_dir: Option<&std::path::Path>) -> Result<Prepared> {
-    let root = dist.is_root();
-    let (model_dir, random) = resolve_model(config, root)?;
-    let data = tasks::read(config, &resolve_data(config, root)?, root)?;
-    let source = ModelSource {
-        dir: resume_dir.unwrap_or(&model_dir),
-        fresh: resume_dir.is_none(),
-        random,
-    };
-    let head = config.model.task.head();
-    let (pretrained, tokenizer_json) = load_model(config, source, head, |c| data.adapt(c), root)?;
-    let options = TokenizeOptions {
-        tokenizer_json: &tokenizer_json,
-        pad_id: pretrained.model.config.pad_token_id,
-        max_seq_len: config.model.max_seq_len,
-    };
-    let Tokenized { train, eval } = data.tokenize(&options, &MpiShards(dist), false)?;
-    Ok(Prepared {
-        vs: pretrained.vs,
-        model: pretrained.model,
-        tokenizer_json,
-        train,
-        eval,
-    })
-}
-
 /// A training run on this process.
 pub struct Trainer<'a> {
     config: &'a Config,
@@ -172,8 +134,6 @@ pub struct Trainer<'a> {
     /// Token count of each training feature, for length grouping.
     lengths: Vec<usize>,
     eval: Option<Box<dyn EvalSet>>,
-    pad_id: i64,
-    pad_to: Option<usize>,
     plan: BatchPlan,
     steps_per_epoch: usize,
     total_steps: usize,
@@ -202,7 +162,16 @@ impl<'a> Trainer<'a> {
             .map(|spec| checkpoint::resume_dir(&out, spec))
             .transpose()?;
         let autocast = set_up_numerics(config, dist)?;
-        let p = prepare(config, dist, resume_dir.as_deref())?;
+        // The data (its labels can size the head), and the pretrained model with a head for
+        // this task, or the checkpoint to resume.
+        let (model_dir, random) = resolve_model(config, root)?;
+        let data = tasks::read(config, &resolve_data(config, root)?, root)?;
+        let source = ModelSource {
+            dir: resume_dir.as_deref().unwrap_or(&model_dir),
+            fresh: resume_dir.is_none(),
+            random,
+        };
+        let p = prepare(config, dist, data, source, false)?;
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
         let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
@@ -224,11 +193,6 @@ impl<'a> Trainer<'a> {
             _autocast: autocast,
             resolved_config: config.to_toml()?,
             lengths: p.train.iter().map(|f| f.input_ids.len()).collect(),
-            pad_id: p.model.config.pad_token_id,
-            pad_to: config
-                .data
-                .pad_to_max_length
-                .then_some(config.model.max_seq_len),
             progress: Progress::new(total_steps, state.global_step, root),
             out,
             vs: p.vs,
@@ -289,7 +253,8 @@ impl<'a> Trainer<'a> {
         for (m, indices) in micro.iter().enumerate() {
             let t = Instant::now();
             let batch: Vec<&Feature> = indices.iter().map(|&i| &self.train[i]).collect();
-            let (inputs, real_tokens) = collate(&batch, self.pad_id, self.pad_to);
+            let pad_id = self.model.config.pad_token_id;
+            let (inputs, real_tokens) = collate(&batch, pad_id, self.config.pad_to());
             let labels = batch_labels(&batch)?;
             times.data += t.elapsed().as_secs_f64();
             let t = Instant::now();
@@ -400,7 +365,7 @@ impl<'a> Trainer<'a> {
         let Some(set) = self.eval.as_deref() else {
             return Ok(());
         };
-        let options = EvalOptions::new(self.config, self.pad_id, Some(&self.out));
+        let options = EvalOptions::new(self.config, Some(&self.out));
         let mut metrics = evaluate(&self.model, set, &options, self.dist)?;
         let mut record = json!({"step": self.state.global_step, "epoch": epoch});
         for (k, v) in &metrics {

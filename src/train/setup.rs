@@ -6,13 +6,16 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::Kind;
 
+use super::dataset::MpiShards;
 use crate::checkpoint;
 use crate::config::{Config, Precision};
+use crate::data::batching::Feature;
 use crate::dist::Dist;
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
-use crate::models::{self, layers::AutocastGuard, EncoderConfig, Head};
+use crate::models::{self, layers::AutocastGuard, EncoderConfig, Head, TaskModel};
 use crate::sysinfo::{self, CpuInfo};
+use crate::tasks::{EvalSet, TaskData, TokenizeOptions, Tokenized};
 
 /// The model directory, and whether to build it with random weights: `model.random_init`, or
 /// the `model.offline_fallback` directory when the Hub cannot be reached.
@@ -87,6 +90,43 @@ pub fn load_model(
         dir.join(TOKENIZER_FILE)
     };
     Ok((loaded, tokenizer))
+}
+
+/// A run's model and tokenized data.
+pub struct Prepared {
+    pub vs: tch::nn::VarStore,
+    pub model: TaskModel,
+    pub tokenizer_json: PathBuf,
+    pub train: Vec<Feature>,
+    pub eval: Option<Box<dyn EvalSet>>,
+}
+
+/// Builds the model with the task's head from `source`, `data` adapting its config.json
+/// (class labels from the training file can fix the head's size), and tokenizes the data
+/// once, the work shared between processes; `eval_only` tokenizes only the evaluation data.
+pub fn prepare(
+    config: &Config,
+    dist: &Dist,
+    data: Box<dyn TaskData>,
+    source: ModelSource,
+    eval_only: bool,
+) -> Result<Prepared> {
+    let root = dist.is_root();
+    let head = config.model.task.head();
+    let (pretrained, tokenizer_json) = load_model(config, source, head, |c| data.adapt(c), root)?;
+    let options = TokenizeOptions {
+        tokenizer_json: &tokenizer_json,
+        pad_id: pretrained.model.config.pad_token_id,
+        max_seq_len: config.model.max_seq_len,
+    };
+    let Tokenized { train, eval } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
+    Ok(Prepared {
+        vs: pretrained.vs,
+        model: pretrained.model,
+        tokenizer_json,
+        train,
+        eval,
+    })
 }
 
 /// Resolves the precision (bf16 compute on fp32 master weights, for training and evaluation

@@ -233,16 +233,16 @@ pub struct RunConfig {
 
 impl RunConfig {
     pub fn new(model: &Path, train_file: &Path, output_dir: &Path) -> Self {
-        let text = format!(
-            "[model]\nname_or_path = {model:?}\nmax_seq_len = 32\n\
-             [data]\ntrain_file = {train_file:?}\n\
-             [train]\noutput_dir = {output_dir:?}\nlogging_steps = 1\nsave_steps = 0\n\
-             [eval]\nstrategy = \"no\"\n\
-             [runtime]\nprecision = \"fp32\"\nthreads = 1\n"
-        );
+        let shared = "[model]\nmax_seq_len = 32\n\
+                      [train]\nlogging_steps = 1\nsave_steps = 0\n\
+                      [eval]\nstrategy = \"no\"\n\
+                      [runtime]\nprecision = \"fp32\"\nthreads = 1\n";
         RunConfig {
-            table: text.parse().unwrap(),
+            table: shared.parse().unwrap(),
         }
+        .set_path("model.name_or_path", model)
+        .set_path("data.train_file", train_file)
+        .set_path("train.output_dir", output_dir)
     }
 
     /// Sets `section.key`; values are TOML values (`8`, `1e-3`, `"steps"`, `true`).
