@@ -7,12 +7,14 @@
 //! Without a launcher (no PMI_RANK / PMI_SIZE in the environment) the world is one process and
 //! MPI is not initialised at all.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Partition, PartitionMut};
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
 /// Writes one line to stderr in a single write, so lines of several ranks sharing a pipe never
@@ -78,6 +80,8 @@ pub struct Dist {
     jobs: Option<Sender<Job>>,
     thread: Option<std::thread::JoinHandle<()>>,
     timeout: Duration,
+    /// Payload bytes this rank has sent in sums (see `allreduce_bytes`).
+    bytes_sent: AtomicU64,
 }
 
 /// Whether an MPI launcher (MPICH / Intel MPI Hydra, or any PMI launcher) started us.
@@ -93,15 +97,46 @@ fn launched_by_mpi() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
-fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
+/// The communicators the MPI thread works with.
+struct Comms {
+    world: SimpleCommunicator,
+    /// The ranks of this node (shared memory).
+    node: SimpleCommunicator,
+    /// The ranks with this local rank, one per node, when every node has the same number of
+    /// ranks and there are several nodes with several ranks each: then bf16 sums go
+    /// node-first (see `allreduce_bf16_by_node`).
+    across: Option<SimpleCommunicator>,
+}
+
+impl Comms {
+    fn new(world: SimpleCommunicator) -> Comms {
+        let node = world.split_shared(world.rank());
+        let local = node.size();
+        let (mut fewest, mut most) = (0, 0);
+        world.all_reduce_into(&local, &mut fewest, SystemOperation::min());
+        world.all_reduce_into(&local, &mut most, SystemOperation::max());
+        let across = world.split_by_color_with_key(Color::with_value(node.rank()), world.rank());
+        let across = across.filter(|a| fewest == most && local > 1 && a.size() > 1);
+        Comms {
+            world,
+            node,
+            across,
+        }
+    }
+}
+
+fn serve(comms: Comms, jobs: Receiver<Job>) {
+    let world = &comms.world;
     for job in jobs {
         match job {
             Job::AllreduceInto(send, dst, bf16, reply) => {
                 // SAFETY: the requester owns this memory and does not touch it until it gets
                 // the reply (see `Dist::start_allreduce_into`).
                 let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
-                if bf16 {
-                    allreduce_bf16_wire(&world, &send, out);
+                if let (true, Some(across)) = (bf16, &comms.across) {
+                    allreduce_bf16_by_node(&comms.node, across, &send, out);
+                } else if bf16 {
+                    allreduce_bf16_wire(world, &send, out);
                 } else {
                     world.all_reduce_into(&send[..], out, SystemOperation::sum());
                 }
@@ -117,14 +152,27 @@ fn serve(world: mpi::topology::SimpleCommunicator, jobs: Receiver<Job>) {
                 let _ = reply.send(buf);
             }
             Job::AllGatherBytes(bytes, reply) => {
-                let _ = reply.send(all_gather_varcount(&world, &bytes));
+                let _ = reply.send(all_gather_varcount(world, &bytes));
             }
             Job::AllGatherF32(values, reply) => {
-                let _ = reply.send(all_gather_varcount(&world, &values));
+                let _ = reply.send(all_gather_varcount(world, &values));
             }
             Job::Abort(code) => world.abort(code),
         }
     }
+    // Every rank's last messages have arrived before any rank leaves (see `Dist::init`).
+    world.barrier();
+}
+
+/// Bytes each rank sends to sum `len` elements of `elem_bytes` bytes over `world` ranks with a
+/// bandwidth-optimal allreduce: a reduce-scatter then an all-gather, each moving (N-1)/N of
+/// the buffer. That is what the bf16 wire does, and what MPICH and Intel MPI do for long
+/// messages; short ones (a few KB) may take other algorithms, where this is an estimate.
+pub fn allreduce_bytes(len: usize, elem_bytes: usize, world: usize) -> u64 {
+    if world < 2 {
+        return 0;
+    }
+    (2 * (world - 1) * len * elem_bytes / world) as u64
 }
 
 /// Element range of rank `rank`'s chunk when `len` elements are cut among `world` ranks.
@@ -138,7 +186,7 @@ fn chunk(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
 /// rank order and rounds the sum to bf16, and the rounded chunks are all-gathered. Each rank
 /// sends and receives 2 (N-1)/N x 2 bytes per element (fp32's ring allreduce: 2 (N-1)/N x 4),
 /// and every rank ends with the same values: each chunk's sum is computed once, by its owner.
-fn allreduce_bf16_wire(world: &mpi::topology::SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+fn allreduce_bf16_wire(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]) {
     let n = world.size() as usize;
     let rank = world.rank() as usize;
     let len = send.len();
@@ -172,8 +220,33 @@ fn allreduce_bf16_wire(world: &mpi::topology::SimpleCommunicator, send: &[f32], 
     }
 }
 
+/// bf16 sums over several nodes of several ranks each, so that the network carries bf16
+/// once per node rather than once per rank: the node's ranks sum in fp32 over shared memory;
+/// local rank i sums its slice i of the node sums across nodes with bf16 on the wire (with
+/// its peers of the same local rank on the other nodes); the slices are gathered within the
+/// node. Each node sends and receives 2 (M-1)/M x 2 bytes per element over the network for M
+/// nodes (the flat algorithm: about twice that per rank). Every rank ends with the same
+/// values: each slice's sum is computed by one owner and copied.
+fn allreduce_bf16_by_node(
+    node: &SimpleCommunicator,
+    across: &SimpleCommunicator,
+    send: &[f32],
+    out: &mut [f32],
+) {
+    let mut node_sum = vec![0f32; send.len()];
+    node.all_reduce_into(send, &mut node_sum[..], SystemOperation::sum());
+    let mine = chunk(send.len(), node.size() as usize, node.rank() as usize);
+    let mut slice = vec![0f32; mine.len()];
+    allreduce_bf16_wire(across, &node_sum[mine], &mut slice);
+    let mut at = 0;
+    for part in all_gather_varcount(node, &slice) {
+        out[at..at + part.len()].copy_from_slice(&part);
+        at += part.len();
+    }
+}
+
 fn all_gather_varcount<T: Equivalence + Default + Clone>(
-    world: &mpi::topology::SimpleCommunicator,
+    world: &SimpleCommunicator,
     data: &[T],
 ) -> Vec<Vec<T>> {
     let n = world.size() as usize;
@@ -218,6 +291,7 @@ impl Dist {
                 jobs: None,
                 thread: None,
                 timeout,
+                bytes_sent: AtomicU64::new(0),
             });
         }
         let (tx, rx) = channel::<Job>();
@@ -231,18 +305,22 @@ impl Dist {
                     let _ = topo_tx.send(Err("MPI was already initialised".into()));
                     return;
                 };
-                let world = universe.world();
-                let node = world.split_shared(world.rank());
+                let comms = Comms::new(universe.world());
                 let topo = Topology {
-                    rank: world.rank() as usize,
-                    world: world.size() as usize,
-                    local_rank: node.rank() as usize,
-                    local_size: node.size() as usize,
+                    rank: comms.world.rank() as usize,
+                    world: comms.world.size() as usize,
+                    local_rank: comms.node.rank() as usize,
+                    local_size: comms.node.size() as usize,
                     host: mpi::environment::processor_name().unwrap_or_else(|_| hostname()),
                 };
                 let _ = topo_tx.send(Ok(topo));
-                serve(world, rx);
-                // `universe` drops here: MPI_Finalize, on this thread, after the last job.
+                serve(comms, rx);
+                // No MPI_Finalize: every rank has passed the final barrier, so no message is
+                // in flight, and MPICH 4.0 over UCX's tcp transport (ranks on several nodes)
+                // can hang in Finalize, one rank closing its connections while the others wait
+                // in Finalize's own barrier (about one run in three on the simulated cluster).
+                // The launcher sees every rank exit with its status, as after Finalize.
+                std::mem::forget(universe);
             })
             .context("cannot start the MPI communication thread")?;
         let topo = topo_rx
@@ -256,11 +334,24 @@ impl Dist {
             jobs: Some(tx),
             thread: Some(thread),
             timeout,
+            bytes_sent: AtomicU64::new(0),
         })
     }
 
     pub fn is_root(&self) -> bool {
         self.topo.rank == 0
+    }
+
+    /// Payload bytes this rank has sent in sums so far: what the training loop's gradient and
+    /// loss sums put on the network, for metrics.jsonl (the veth counters of
+    /// scripts/sim_cluster.sh measure the same traffic with its headers).
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    fn count_sum(&self, len: usize, elem_bytes: usize) {
+        let bytes = allreduce_bytes(len, elem_bytes, self.topo.world);
+        self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Sends a job and waits for its reply; a reply that does not come in time is fatal for the
@@ -284,8 +375,20 @@ impl Dist {
             self.topo.rank,
             self.timeout.as_secs_f64()
         ));
-        // The MPI thread is stuck inside the collective: leave without it. The launcher sees a
-        // failed process and stops the others.
+        // The MPI thread is stuck inside the collective. Abort the job through MPI from this
+        // thread (outside MPI_THREAD_FUNNELED's rules, but the process ends either way): the
+        // launcher then stops every rank on every node, and gives up on a node it can no
+        // longer reach, where a plain exit leaves it waiting on that node for good. Should the
+        // abort itself block on the stuck thread, leave without it after a few seconds.
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_secs(5));
+            std::process::exit(3);
+        });
+        if self.jobs.is_some() {
+            // SAFETY: MPI is initialised (a world of several processes) and not finalised:
+            // the MPI thread is still inside the collective.
+            unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 3) };
+        }
         std::process::exit(3);
     }
 
@@ -294,6 +397,7 @@ impl Dist {
         if self.topo.world == 1 {
             return Ok(buf);
         }
+        self.count_sum(buf.len(), 8);
         self.call(what, |tx| Job::AllreduceF64(buf, tx))
     }
 
@@ -331,6 +435,7 @@ impl Dist {
         let Some(jobs) = &self.jobs else {
             bail!("no MPI world")
         };
+        self.count_sum(send.len(), if bf16 { 2 } else { 4 });
         let (tx, rx) = channel();
         let dst = Destination {
             addr: dst.as_mut_ptr() as usize,
@@ -406,7 +511,7 @@ impl Dist {
 
 impl Drop for Dist {
     fn drop(&mut self) {
-        // Closing the channel ends the MPI thread's loop; it finalises MPI before we go on.
+        // Closing the channel ends the MPI thread's loop at a barrier of all ranks.
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -447,6 +552,15 @@ mod tests {
         assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie rounds to even (down)
         assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie rounds to even (up)
         assert_eq!(f32_to_bf16(f32::from_bits(0xc049_0fd0)), 0xc049);
+    }
+
+    #[test]
+    fn allreduce_bytes_is_two_n_minus_one_over_n() {
+        assert_eq!(allreduce_bytes(1000, 4, 1), 0);
+        assert_eq!(allreduce_bytes(1000, 4, 2), 4000);
+        assert_eq!(allreduce_bytes(1000, 4, 4), 6000);
+        // bf16 at 4 ranks: 0.5 of fp32's bytes.
+        assert_eq!(allreduce_bytes(1000, 2, 4), 3000);
     }
 
     #[test]

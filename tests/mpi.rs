@@ -4,64 +4,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    fixtures, losses, require_mpirun, run_ok, weights, write_sentences, RunConfig, WORDS,
+    logged_steps, losses, mpi_config, mpi_data, rank_pid, require_mpirun, run_ok, weights,
 };
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
-
-/// 236 labelled sentences: 29 steps of 8 examples, then a short step of 4 that only rank 0
-/// has a micro-batch for (rank 1 takes part with zeros).
-fn write_data(dir: &Path) -> PathBuf {
-    let p = dir.join("train.tsv");
-    write_sentences(&p, 236, 13, |i, n| (n + i / 7) % 2);
-    // 41 evaluation rows: an odd count, so the two ranks' shards differ in size.
-    let eval: String = std::iter::once("sentence\tlabel".to_string())
-        .chain((0..41usize).map(|i| {
-            format!(
-                "{} {} {}\t{}",
-                WORDS[i % 12],
-                WORDS[(i * 7) % 12],
-                WORDS[(i * 5 + 1) % 12],
-                i % 2
-            )
-        }))
-        .collect::<Vec<_>>()
-        .join("\n");
-    std::fs::write(dir.join("eval.tsv"), eval + "\n").unwrap();
-    p
-}
-
-/// The tiny BERT classifier with dropout off (the transformers training-parity fixture), so
-/// one micro-batch of 2B and two of B compute the same mean.
-fn config(
-    dir: &Path,
-    data: &Path,
-    name: &str,
-    batch: usize,
-    accum: usize,
-    steps: usize,
-) -> (PathBuf, PathBuf) {
-    let out = dir.join(name);
-    let path = RunConfig::new(&fixtures().join("train_parity"), data, &out)
-        .set_path("data.eval_file", &data.with_file_name("eval.tsv"))
-        .set("train.max_steps", steps as i64)
-        .set("train.batch_size", batch as i64)
-        .set("train.gradient_accumulation_steps", accum as i64)
-        .set("train.learning_rate", 1e-3)
-        .set("train.weight_decay", 0.01)
-        .set("train.warmup_steps", 3)
-        // Threads as a user's run gets them: this node's cores shared among its ranks.
-        .set("runtime.threads", 0)
-        .set("runtime.seed", 3)
-        .write(&dir.join(format!("{name}.toml")));
-    (path, out)
-}
 
 /// Two ranks with batch B against one rank with batch 2B, and against one rank with batch B and
 /// accumulation 2: per-step losses within 1e-5 relative and final weights within 1e-5 (fp32;
@@ -72,8 +24,8 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let data = write_data(tmp.path());
-    let (c2, out2) = config(tmp.path(), &data, "two-ranks", 4, 1, 30);
+    let data = mpi_data(tmp.path());
+    let (c2, out2) = mpi_config(tmp.path(), &data, "two-ranks", 4, 1, 30);
     let mut cmd = Command::new(&mpirun);
     cmd.args(["-n", "2", BIN, "--config"]).arg(&c2);
     run_ok(cmd);
@@ -87,7 +39,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
 
     // Many small buckets, each launched as soon as backward completes its layer: the very same
     // sums, so the very same run.
-    let (cb, outb) = config(tmp.path(), &data, "small-buckets", 4, 1, 30);
+    let (cb, outb) = mpi_config(tmp.path(), &data, "small-buckets", 4, 1, 30);
     let mut cmd = Command::new(&mpirun);
     cmd.args(["-n", "2", BIN, "--config"])
         .arg(&cb)
@@ -95,7 +47,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
     run_ok(cmd);
     assert_eq!(losses(&outb), two.0, "bucketing changed the run");
     // bf16 on the wire: the same run to bf16 rounding of the gradients.
-    let (cf, outf) = config(tmp.path(), &data, "bf16-wire", 4, 1, 30);
+    let (cf, outf) = mpi_config(tmp.path(), &data, "bf16-wire", 4, 1, 30);
     let mut cmd = Command::new(&mpirun);
     cmd.args(["-n", "2", BIN, "--config"])
         .arg(&cf)
@@ -111,7 +63,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
     assert!(worst > 0.0 && worst < 1e-2, "bf16 reduction: {worst}");
 
     for (name, batch, accum) in [("double-batch", 8, 1), ("accumulation", 4, 2)] {
-        let (c1, out1) = config(tmp.path(), &data, name, batch, accum, 30);
+        let (c1, out1) = mpi_config(tmp.path(), &data, name, batch, accum, 30);
         let mut cmd = Command::new(BIN);
         cmd.arg("--config").arg(&c1);
         run_ok(cmd);
@@ -155,8 +107,8 @@ fn mismatched_configs_stop_every_rank() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let data = write_data(tmp.path());
-    let (c, _) = config(tmp.path(), &data, "mpmd", 4, 1, 5);
+    let data = mpi_data(tmp.path());
+    let (c, _) = mpi_config(tmp.path(), &data, "mpmd", 4, 1, 5);
     let start = Instant::now();
     let out = Command::new(&mpirun)
         .args(["-n", "1", BIN, "--config"])
@@ -193,8 +145,8 @@ fn signal_rank_1(
     signal: i32,
 ) -> (std::process::ExitStatus, Duration, String) {
     let tmp = tempfile::tempdir().unwrap();
-    let data = write_data(tmp.path());
-    let (c, out) = config(tmp.path(), &data, name, 4, 1, 1_000_000);
+    let data = mpi_data(tmp.path());
+    let (c, out) = mpi_config(tmp.path(), &data, name, 4, 1, 1_000_000);
     let mut job = Command::new(mpirun)
         .args(["-n", "2", BIN, "--config"])
         .arg(&c)
@@ -203,7 +155,7 @@ fn signal_rank_1(
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while losses_len(&out) < 3 {
+    while logged_steps(&out) < 3 {
         assert!(Instant::now() < deadline, "training never started");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -262,42 +214,12 @@ fn a_hung_rank_trips_the_collective_timeout() {
     );
 }
 
-fn losses_len(out: &Path) -> usize {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .map(|s| s.lines().filter(|l| l.contains("\"loss\"")).count())
-        .unwrap_or(0)
-}
-
-/// The pid of the sprtrain process of `rank` running `config`.
-fn rank_pid(config: &Path, rank: usize) -> Option<i32> {
-    let want = config.to_string_lossy().to_string();
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if !cmdline.starts_with(BIN) || !cmdline.contains(&want) {
-            continue;
-        }
-        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
-        let env = String::from_utf8_lossy(&env).to_string();
-        if env.split('\0').any(|kv| kv == format!("PMI_RANK={rank}")) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
-/// Set in the environment of the ranks that `bf16_wire_sums_agree_within_rounding` launches.
-const BF16_RANK_CHECK: &str = "SPRTRAIN_TEST_BF16_WIRE_RANK";
-
 /// bf16 on the wire (reduce-scatter, fp32 sums, all-gather) at 2 and 4 ranks: the test runs
 /// itself under mpirun, and each rank checks its own result (see `bf16_wire_rank_check`).
 #[test]
 fn bf16_wire_sums_agree_within_rounding() {
-    if std::env::var_os(BF16_RANK_CHECK).is_some() {
-        return bf16_wire_rank_check();
+    if std::env::var_os(common::BF16_RANK_CHECK).is_some() {
+        return common::bf16_wire_rank_check();
     }
     let Some(mpirun) = require_mpirun() else {
         return;
@@ -311,50 +233,7 @@ fn bf16_wire_sums_agree_within_rounding() {
                 "bf16_wire_sums_agree_within_rounding",
                 "--nocapture",
             ])
-            .env(BF16_RANK_CHECK, "1");
+            .env(common::BF16_RANK_CHECK, "1");
         run_ok(cmd);
-    }
-}
-
-/// One rank's part: 100,003 values over six orders of magnitude, different on every rank,
-/// summed with bf16 on the wire. Every element is within bf16 rounding of the exact sum:
-/// each input rounds with relative error at most 2^-8 (bf16 keeps 8 significant bits), the
-/// fp32 sum adds at most N 2^-24 of the magnitudes, and the sum rounds once more by 2^-8, so
-/// |got - exact| <= 2^-8 (sum |x_r| + |exact|) + 2^-20 sum |x_r|. Every rank holds the same
-/// values, bit for bit; and rounding happened (some differ from the fp32 sum).
-fn bf16_wire_rank_check() {
-    let dist = sprtrain::dist::Dist::init(60.0).unwrap();
-    let (rank, world) = (dist.topo.rank, dist.topo.world);
-    assert!(world > 1, "launched without a world");
-    let value = |r: usize, i: usize| -> f64 {
-        let u = ((i * 2_654_435_761 + r * 7_919) % 10_007) as f64 / 10_007.0 - 0.5;
-        u * 10f64.powi((i % 7) as i32 - 3)
-    };
-    let len = 100_003;
-    let send: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
-    let mut got = vec![0f32; len];
-    // SAFETY: `got` is used by nothing else until `wait` returns.
-    let pending = unsafe {
-        dist.start_allreduce_into("bf16 check".into(), send, &mut got, true)
-            .unwrap()
-    };
-    pending.wait(&dist).unwrap();
-    let mut rounded = 0;
-    for (i, &g) in got.iter().enumerate() {
-        let xs: Vec<f64> = (0..world).map(|r| value(r, i) as f32 as f64).collect();
-        let exact: f64 = xs.iter().sum();
-        let magnitude: f64 = xs.iter().map(|x| x.abs()).sum();
-        let bound = 2f64.powi(-8) * (magnitude + exact.abs()) + 2f64.powi(-20) * magnitude;
-        let err = (g as f64 - exact).abs();
-        assert!(
-            err <= bound,
-            "rank {rank} element {i}: {g} vs {exact} (bound {bound:e})"
-        );
-        rounded += usize::from(g != exact as f32);
-    }
-    assert!(rounded > len / 10, "only {rounded} sums were rounded");
-    let all = dist.all_gather_f32("bf16 results", got).unwrap();
-    for (r, theirs) in all.iter().enumerate() {
-        assert!(theirs == &all[0], "rank {r} holds other sums than rank 0");
     }
 }

@@ -248,6 +248,7 @@ impl<'a> Trainer<'a> {
         // gradient is their mean whatever the number of processes, tails included.
         let micro_in_step = global.len().div_ceil(self.plan.micro_batch) as f64;
         let distributed = self.dist.topo.world > 1;
+        let sent_before = self.dist.bytes_sent();
         let (mut times, mut loss_sum, mut tokens) = (StepTimes::default(), 0.0, 0usize);
         self.sync.begin(self.state.global_step + 1);
         for (m, indices) in micro.iter().enumerate() {
@@ -306,6 +307,7 @@ impl<'a> Trainer<'a> {
             tokens: totals[1] as usize,
             update,
             times,
+            bytes_sent: self.dist.bytes_sent() - sent_before,
         })
     }
 

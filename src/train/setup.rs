@@ -145,7 +145,15 @@ pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
             crate::allocator::in_use()
         );
     }
-    tracing::info!("{}", threads.describe(&dist.topo));
+    // The pin map: one line per rank, naming its host and cores, printed once by rank 0.
+    let placements = dist.all_gather_bytes("pin map", threads.describe(&dist.topo).into_bytes())?;
+    if dist.is_root() {
+        let lines: Vec<String> = placements
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).to_string())
+            .collect();
+        tracing::info!("pin map:\n  {}", lines.join("\n  "));
+    }
     Ok(autocast)
 }
 

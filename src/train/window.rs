@@ -32,6 +32,8 @@ pub struct StepOutcome {
     pub tokens: usize,
     pub update: StepUpdate,
     pub times: StepTimes,
+    /// Payload bytes this process sent in the step's sums.
+    pub bytes_sent: u64,
 }
 
 /// Sums over steps since `start`.
@@ -42,6 +44,7 @@ pub struct StepWindow {
     samples: usize,
     tokens: usize,
     times: StepTimes,
+    bytes_sent: u64,
     start: Instant,
 }
 
@@ -53,6 +56,7 @@ impl Default for StepWindow {
             samples: 0,
             tokens: 0,
             times: StepTimes::default(),
+            bytes_sent: 0,
             start: Instant::now(),
         }
     }
@@ -64,6 +68,7 @@ impl StepWindow {
         self.loss += step.loss;
         self.samples += step.samples;
         self.tokens += step.tokens;
+        self.bytes_sent += step.bytes_sent;
         let (t, s) = (&mut self.times, &step.times);
         t.data += s.data;
         t.forward += s.forward;
@@ -94,6 +99,7 @@ impl StepWindow {
             "time_data_s": per_step(t.data), "time_forward_s": per_step(t.forward),
             "time_backward_s": per_step(t.backward), "time_optimizer_s": per_step(t.optimizer),
             "time_comm_exposed_s": per_step(t.comm_exposed),
+            "comm_bytes_sent_per_step": per_step(self.bytes_sent as f64),
         });
         *self = StepWindow::default();
         record

@@ -270,3 +270,127 @@ impl RunConfig {
         path.to_path_buf()
     }
 }
+
+/// The data of the multi-process tests (tests/mpi.rs, tests/cluster.rs): 236 labelled
+/// sentences (at 2 ranks of batch 4, 29 steps of 8 examples, then a short step of 4 that only
+/// rank 0 has a micro-batch for: rank 1 takes part with zeros), and 41 for evaluation.
+pub fn mpi_data(dir: &Path) -> PathBuf {
+    let p = dir.join("train.tsv");
+    write_sentences(&p, 236, 13, |i, n| (n + i / 7) % 2);
+    // 41 evaluation rows: an odd count, so the two ranks' shards differ in size.
+    let eval: String = std::iter::once("sentence\tlabel".to_string())
+        .chain((0..41usize).map(|i| {
+            format!(
+                "{} {} {}\t{}",
+                WORDS[i % 12],
+                WORDS[(i * 7) % 12],
+                WORDS[(i * 5 + 1) % 12],
+                i % 2
+            )
+        }))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(dir.join("eval.tsv"), eval + "\n").unwrap();
+    p
+}
+
+/// The tiny BERT classifier with dropout off (the transformers training-parity fixture), so
+/// one micro-batch of 2B and two of B compute the same mean.
+pub fn mpi_config(
+    dir: &Path,
+    data: &Path,
+    name: &str,
+    batch: usize,
+    accum: usize,
+    steps: usize,
+) -> (PathBuf, PathBuf) {
+    let out = dir.join(name);
+    let path = RunConfig::new(&fixtures().join("train_parity"), data, &out)
+        .set_path("data.eval_file", &data.with_file_name("eval.tsv"))
+        .set("train.max_steps", steps as i64)
+        .set("train.batch_size", batch as i64)
+        .set("train.gradient_accumulation_steps", accum as i64)
+        .set("train.learning_rate", 1e-3)
+        .set("train.weight_decay", 0.01)
+        .set("train.warmup_steps", 3)
+        // Threads as a user's run gets them: this node's cores shared among its ranks.
+        .set("runtime.threads", 0)
+        .set("runtime.seed", 3)
+        .write(&dir.join(format!("{name}.toml")));
+    (path, out)
+}
+
+/// How many training-loss records a run has logged so far.
+pub fn logged_steps(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .map(|s| s.lines().filter(|l| l.contains("\"loss\"")).count())
+        .unwrap_or(0)
+}
+
+/// The pid of the sprtrain process of `rank` running `config`.
+pub fn rank_pid(config: &Path, rank: usize) -> Option<i32> {
+    let want = config.to_string_lossy().to_string();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if !cmdline.starts_with(env!("CARGO_BIN_EXE_sprtrain")) || !cmdline.contains(&want) {
+            continue;
+        }
+        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let env = String::from_utf8_lossy(&env).to_string();
+        if env.split('\0').any(|kv| kv == format!("PMI_RANK={rank}")) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Set in the environment of the ranks that the bf16-wire tests launch (they run themselves
+/// under mpirun): each rank then runs `bf16_wire_rank_check`.
+pub const BF16_RANK_CHECK: &str = "SPRTRAIN_TEST_BF16_WIRE_RANK";
+
+/// One rank's part: 100,003 values over six orders of magnitude, different on every rank,
+/// summed with bf16 on the wire. Every element is within bf16 rounding of the exact sum:
+/// each input rounds with relative error at most 2^-8 (bf16 keeps 8 significant bits), the
+/// fp32 sum adds at most N 2^-24 of the magnitudes, and the sum rounds once more by 2^-8, so
+/// |got - exact| <= 2^-8 (sum |x_r| + |exact|) + 2^-20 sum |x_r|. Every rank holds the same
+/// values, bit for bit; and rounding happened (some differ from the fp32 sum).
+pub fn bf16_wire_rank_check() {
+    let dist = sprtrain::dist::Dist::init(60.0).unwrap();
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    assert!(world > 1, "launched without a world");
+    let value = |r: usize, i: usize| -> f64 {
+        let u = ((i * 2_654_435_761 + r * 7_919) % 10_007) as f64 / 10_007.0 - 0.5;
+        u * 10f64.powi((i % 7) as i32 - 3)
+    };
+    let len = 100_003;
+    let send: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
+    let mut got = vec![0f32; len];
+    // SAFETY: `got` is used by nothing else until `wait` returns.
+    let pending = unsafe {
+        dist.start_allreduce_into("bf16 check".into(), send, &mut got, true)
+            .unwrap()
+    };
+    pending.wait(&dist).unwrap();
+    let mut rounded = 0;
+    for (i, &g) in got.iter().enumerate() {
+        let xs: Vec<f64> = (0..world).map(|r| value(r, i) as f32 as f64).collect();
+        let exact: f64 = xs.iter().sum();
+        let magnitude: f64 = xs.iter().map(|x| x.abs()).sum();
+        let bound = 2f64.powi(-8) * (magnitude + exact.abs()) + 2f64.powi(-20) * magnitude;
+        let err = (g as f64 - exact).abs();
+        assert!(
+            err <= bound,
+            "rank {rank} element {i}: {g} vs {exact} (bound {bound:e})"
+        );
+        rounded += usize::from(g != exact as f32);
+    }
+    assert!(rounded > len / 10, "only {rounded} sums were rounded");
+    let all = dist.all_gather_f32("bf16 results", got).unwrap();
+    for (r, theirs) in all.iter().enumerate() {
+        assert!(theirs == &all[0], "rank {r} holds other sums than rank 0");
+    }
+}
