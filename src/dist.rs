@@ -314,13 +314,18 @@ impl Dist {
                     host: mpi::environment::processor_name().unwrap_or_else(|_| hostname()),
                 };
                 let _ = topo_tx.send(Ok(topo));
+                let several_nodes = comms.node.size() < comms.world.size();
                 serve(comms, rx);
-                // No MPI_Finalize: every rank has passed the final barrier, so no message is
-                // in flight, and MPICH 4.0 over UCX's tcp transport (ranks on several nodes)
-                // can hang in Finalize, one rank closing its connections while the others wait
-                // in Finalize's own barrier (about one run in three on the simulated cluster).
-                // The launcher sees every rank exit with its status, as after Finalize.
-                std::mem::forget(universe);
+                if several_nodes {
+                    // Every rank has passed the final barrier, so no message is in flight; but
+                    // MPICH 4.0 over UCX's tcp transport can hang in MPI_Finalize across nodes
+                    // (one rank closing its connections while the others wait in Finalize's
+                    // own barrier: about one run in three on the simulated cluster). So tell
+                    // the launcher this rank is done, as Finalize would, and leave MPI as is.
+                    pmi_finalize();
+                    std::mem::forget(universe);
+                }
+                // Otherwise `universe` drops here: MPI_Finalize, on this thread.
             })
             .context("cannot start the MPI communication thread")?;
         let topo = topo_rx
@@ -516,6 +521,33 @@ impl Drop for Dist {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// Tells a PMI-1 process manager (MPICH's and Intel MPI's Hydra, through the socket in
+/// $PMI_FD) that this process has finished, as MPI_Finalize does: without it Hydra takes the
+/// exit for a crash and kills the ranks still finishing. Best effort: without $PMI_FD, or on
+/// any error, it does nothing.
+fn pmi_finalize() {
+    use std::io::{Read, Write};
+    use std::os::fd::FromRawFd;
+    let Some(fd) = std::env::var("PMI_FD")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    else {
+        return;
+    };
+    // SAFETY: the PMI socket is open for the life of the process and nothing else uses it
+    // now (the MPI thread is done); ManuallyDrop keeps it open after we are done.
+    let mut pmi = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+    if pmi.write_all(b"cmd=finalize\n").is_err() {
+        return;
+    }
+    let _ = pmi.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    while !reply.ends_with(b"\n") && pmi.read(&mut byte).is_ok_and(|n| n == 1) {
+        reply.push(byte[0]);
     }
 }
 

@@ -418,9 +418,9 @@ fn killing_a_rank_on_another_node_ends_the_job() {
     assert!(!status.success());
 }
 
-/// Node 1's link fails mid-run (its switch port goes down): the ranks report the collective
-/// they waited for past `dist.collective_timeout_s`, naming themselves, and the whole job ends
-/// non-zero instead of hanging.
+/// Node 1's link fails mid-run (its switch port goes down): a rank reports the collective it
+/// waited for past `dist.collective_timeout_s`, naming itself, and the whole job ends non-zero
+/// instead of hanging.
 #[test]
 fn a_dead_link_trips_the_collective_timeout() {
     let Some((_one, mpirun, cluster)) = start("link") else {
@@ -434,16 +434,20 @@ fn a_dead_link_trips_the_collective_timeout() {
         &["--set", "dist.collective_timeout_s=5"],
     );
     cluster.set_link(1, "down");
-    // The ranks give up after 5 s; the launcher then learns within about 15 s that node 1
-    // stopped answering (sim_launch.sh, as ssh's ServerAliveInterval would tell it).
+    // The ranks give up after 5 s and abort the job; a launcher still waiting on node 1 gives
+    // up when TCP does (the simulated nodes retransmit for about 13 s, tcp_retries2 = 5).
     let (status, took, stderr) = wait_for_end(job, &config, Duration::from_secs(60));
     eprintln!("{stderr}\njob ended {took:?} after node 1's link went down, status {status}");
     assert!(!status.success());
-    assert!(
-        stderr.contains("sprtrain: rank 0: error: collective")
-            && stderr.contains("did not finish within 5 s (dist.collective_timeout_s)"),
-        "{stderr}"
-    );
+    // Whichever rank times out first reports (its abort may end the others before they do).
+    let reported = stderr.lines().any(|l| {
+        l.starts_with("sprtrain: rank ")
+            && l.contains(": error: collective ")
+            && l.ends_with(
+                "did not finish within 5 s (dist.collective_timeout_s); aborting the job",
+            )
+    });
+    assert!(reported, "{stderr}");
 }
 
 /// Node 1's ranks started with another learning rate (an MPMD launch: the second part of
