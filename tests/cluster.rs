@@ -13,7 +13,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::{
-    logged_steps, losses, mpi_config, mpi_data, rank_pid, require, require_mpirun, weights,
+    logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data, rank_pid, require,
+    require_mpirun, run_ok, weights,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
@@ -235,21 +236,12 @@ fn two_nodes_train_like_one_process_with_accumulation() {
     );
     let (l4, l1) = (losses(&out4), losses(&out1));
     assert_eq!(l4.len(), steps);
-    let worst = l1
-        .iter()
-        .zip(&l4)
-        .map(|(a, b)| ((a - b) / b).abs())
-        .fold(0.0, f64::max);
+    let worst = max_rel_diff(&l1, &l4);
     eprintln!("per-step loss max relative difference {worst:e}");
     assert!(worst <= 1e-5, "losses {l1:?} vs {l4:?}");
     let (w4, w1) = (weights(&out4), weights(&out1));
-    let mut wmax = 0.0f64;
-    let mut params = 0i64;
-    for ((n1, t1), (n4, t4)) in w1.iter().zip(&w4) {
-        assert_eq!(n1, n4);
-        wmax = wmax.max((t1 - t4).abs().max().double_value(&[]));
-        params += t1.numel() as i64;
-    }
+    let wmax = max_weight_diff(&w1, &w4);
+    let params: i64 = w1.iter().map(|(_, t)| t.numel() as i64).sum();
     eprintln!("final weights max abs difference {wmax:e}");
     assert!(wmax <= 1e-5, "weights differ by {wmax}");
 
@@ -302,11 +294,7 @@ fn two_nodes_train_like_one_process_with_accumulation() {
         (bf16_sent as f64) < 0.6 * sent as f64,
         "bf16 on the wire sent {bf16_sent} B against fp32's {sent} B"
     );
-    let worst = losses(&outb)
-        .iter()
-        .zip(&l4)
-        .map(|(a, b)| ((a - b) / b).abs())
-        .fold(0.0, f64::max);
+    let worst = max_rel_diff(&losses(&outb), &l4);
     assert!(worst < 1e-2, "bf16 wire: {worst}");
 }
 
@@ -332,13 +320,7 @@ fn bf16_wire_sums_agree_across_nodes() {
             "--nocapture",
         ])
         .env(common::BF16_RANK_CHECK, "1");
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(cmd);
 }
 
 /// Starts a long 4-rank job on the cluster and waits until it trains. Returns the running

@@ -9,7 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    logged_steps, losses, mpi_config, mpi_data, rank_pid, require_mpirun, run_ok, weights,
+    logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data, rank_pid,
+    require_mpirun, run_ok, weights,
 };
 use serde_json::Value;
 
@@ -54,11 +55,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         .args(["--set", "dist.reduce_dtype=bf16"]);
     run_ok(cmd);
     let bf = losses(&outf);
-    let worst = bf
-        .iter()
-        .zip(&two.0)
-        .map(|(a, b)| ((a - b) / b).abs())
-        .fold(0.0, f64::max);
+    let worst = max_rel_diff(&bf, &two.0);
     eprintln!("bf16 reduction: per-step loss max relative difference {worst:e}");
     assert!(worst > 0.0 && worst < 1e-2, "bf16 reduction: {worst}");
 
@@ -68,19 +65,10 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         cmd.arg("--config").arg(&c1);
         run_ok(cmd);
         let one = (losses(&out1), weights(&out1));
-        let worst = one
-            .0
-            .iter()
-            .zip(&two.0)
-            .map(|(a, b)| ((a - b) / b).abs())
-            .fold(0.0, f64::max);
+        let worst = max_rel_diff(&one.0, &two.0);
         eprintln!("{name}: per-step loss max relative difference {worst:e}");
         assert!(worst <= 1e-5, "{name}: losses {:?} vs {:?}", one.0, two.0);
-        let mut wmax = 0.0f64;
-        for ((n1, t1), (n2, t2)) in one.1.iter().zip(&two.1) {
-            assert_eq!(n1, n2);
-            wmax = wmax.max((t1 - t2).abs().max().double_value(&[]));
-        }
+        let wmax = max_weight_diff(&one.1, &two.1);
         eprintln!("{name}: final weights max abs difference {wmax:e}");
         assert!(wmax <= 1e-5, "{name}: weights differ by {wmax}");
         // Evaluation sharded over two ranks and gathered equals one rank's.

@@ -6,7 +6,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{fixtures, losses, require_mpirun, run_ok, RunConfig};
+use common::{fixtures, losses, max_rel_diff, require_mpirun, run_ok, RunConfig};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
@@ -61,11 +61,7 @@ fn question_answering_trains_and_evaluates_sharded() {
     let (l1, l2) = (losses(&out1), losses(&out2));
     // 53 windows: 6 full global batches of 8 (a short seventh would average its micro-batches).
     assert_eq!(l1.len(), 6);
-    let worst = l1
-        .iter()
-        .zip(&l2)
-        .map(|(a, b)| ((a - b) / b).abs())
-        .fold(0.0, f64::max);
+    let worst = max_rel_diff(&l1, &l2);
     eprintln!("question answering: per-step loss max relative difference {worst:e}");
     assert!(worst <= 1e-5, "{l1:?} vs {l2:?}");
 

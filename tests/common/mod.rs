@@ -193,6 +193,26 @@ pub fn ok(out: std::process::Output) -> String {
     text
 }
 
+/// The largest relative difference |a - b| / |b| between paired values (per-step losses).
+pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| ((a - b) / b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The largest absolute difference between two runs' weights, tensor by tensor (`weights`
+/// order; the names must match).
+pub fn max_weight_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len(), "different tensors");
+    let mut worst = 0.0f64;
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        worst = worst.max((ta - tb).abs().max().double_value(&[]));
+    }
+    worst
+}
+
 /// The logged training losses of a run, (step, loss) in step order (metrics.jsonl).
 pub fn train_losses(out: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
