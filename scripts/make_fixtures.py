@@ -45,8 +45,14 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    AutoModelForCausalLM,
     BertConfig,
     DistilBertConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
     PreTrainedTokenizerFast,
     RobertaConfig,
 )
@@ -540,13 +546,253 @@ def squad_eval_reference(ref: Path):
     print(f"qa: official EM/F1 v1.1 {result_v1}, v2.0 exact {result_v2['exact']:.4f} f1 {result_v2['f1']:.4f}")
 
 
+def decoder_tokenizer() -> PreTrainedTokenizerFast:
+    """A tiny GPT-2-style byte-level BPE tokenizer trained on the corpus; `<|endoftext|>` (0)
+    begins and ends texts, `<pad>` (1) pads."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>")
+
+
+def decoder_config(name: str, vocab_size: int, **labels):
+    """Tiny decoders, each exercising what sets its family apart."""
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, **ids, **labels)
+    if name == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4, **ids, **labels)
+    if name == "llama":
+        # Grouped-query attention, untied head, Llama 3.1's rope scaling with a short original context.
+        return LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 16})
+    if name == "llama-tied":
+        # SmolLM2-like: tied embeddings, full multi-head attention, default rope.
+        return LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    if name == "mistral":
+        # A sliding window shorter than the batch, and a head_dim that is not hidden / heads.
+        return MistralConfig(**common, num_key_value_heads=2, head_dim=16, sliding_window=5)
+    if name == "qwen2":
+        return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if name == "qwen3":
+        return Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
+    raise ValueError(name)
+
+
+DECODER_GRADS = {
+    "gpt2": ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.ln_2.weight",
+             "transformer.h.1.mlp.c_proj.bias"],
+    "llama": ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+              "model.layers.1.post_attention_layernorm.weight", "model.layers.1.mlp.gate_proj.weight"],
+}
+DECODER_HEAD_GRADS = {"causal-lm": {"llama": ["lm_head.weight"]}, "seq-cls": ["score.weight"]}
+
+
+def make_decoder_case(arch: str, head: str, tok):
+    name = f"{arch}-{head}"
+    out_dir = OUT / "parity" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    torch.manual_seed(0)
+    label_kw = {"num_labels": 3} if head == "seq-cls" else {}
+    cfg = decoder_config(arch, len(tok), **label_kw)
+    auto_cls = AutoModelForCausalLM if head == "causal-lm" else AutoModelForSequenceClassification
+    model = auto_cls.from_config(cfg).eval()
+    enc = tok(CORPUS[:3], padding=True, return_tensors="pt")  # right padding with <pad>
+    if head == "causal-lm":
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    else:
+        labels = torch.randint(0, 3, (3,), generator=torch.Generator().manual_seed(1))
+    kwargs = {k: enc[k] for k in ["input_ids", "attention_mask"]}
+    out = model(**kwargs, labels=labels)
+    hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
+    out.loss.backward()
+    ref = {k: enc[k].contiguous() for k in ["input_ids", "attention_mask"]}
+    ref["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+    ref["hidden"] = hidden.detach().contiguous()
+    ref["logits"] = out.logits.detach().contiguous()
+    ref["labels"] = labels.contiguous()
+    ref["loss"] = out.loss.detach().reshape(1)
+    family = "gpt2" if arch == "gpt2" else "llama"
+    heads = DECODER_HEAD_GRADS[head]
+    grad_names = DECODER_GRADS[family] + (heads.get(arch, []) if isinstance(heads, dict) else heads)
+    if arch == "qwen3":
+        grad_names.append("model.layers.0.self_attn.q_norm.weight")
+    if arch == "qwen2":
+        grad_names.append("model.layers.0.self_attn.v_proj.bias")
+    params = dict(model.named_parameters())
+    for n in grad_names:
+        ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    for extra in ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]:
+        (out_dir / extra).unlink(missing_ok=True)
+    save_file(ref, out_dir / "reference.safetensors")
+    meta = {"arch": arch, "head": head, "grad_params": grad_names, "keys": sorted(load_keys(out_dir))}
+    if head == "causal-lm":
+        # Greedy generation with the KV cache, as `sprtrain generate` must reproduce it.
+        prompt = "Paris is the capital"
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=1, eos_token_id=None)
+        new = gen[0, ids.shape[1]:]
+        meta["generate"] = {"prompt": prompt, "prompt_ids": ids[0].tolist(), "max_new_tokens": 12,
+                            "output_ids": new.tolist(), "output_text": tok.decode(new, skip_special_tokens=True)}
+    (out_dir / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{name}: loss {out.loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters")
+
+
+def decoder_training_reference(tok):
+    """20 optimizer steps of causal-LM training of the tiny Llama (GQA, untied), dropout off:
+    Trainer's AdamW groups (no decay on biases and norms), cosine schedule with warmup,
+    clipping at 1.0, labels = input ids with padding ignored. Records losses and batches."""
+    out_dir = OUT / "train_parity_llama"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(decoder_config("llama", len(tok)))
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    for extra in ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]:
+        (out_dir / extra).unlink(missing_ok=True)
+    model.train()
+    no_decay = lambda n: "bias" in n or "norm" in n
+    hp = {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 3, "steps": 20, "max_grad_norm": 1.0, "batch_size": 4,
+          "adam_beta2": 0.95, "lr_scheduler": "cosine", "head": "causal-lm"}
+    groups = [{"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": hp["weight_decay"]},
+              {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=hp["lr"], betas=(0.9, hp["adam_beta2"]), eps=1e-8, foreach=False)
+    sched = transformers.get_cosine_schedule_with_warmup(opt, hp["warmup_steps"], hp["steps"])
+    gen = torch.Generator().manual_seed(5)
+    texts = CORPUS + [a for a, _ in PAIRS] + [q for q, _ in QA]
+    ref, losses, lrs = {}, [], []
+    for step in range(hp["steps"]):
+        idx = torch.randint(0, len(texts), (hp["batch_size"],), generator=gen).tolist()
+        enc = tok([texts[i] for i in idx], padding=True, return_tensors="pt")
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["max_grad_norm"])
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        ref[f"input_ids.{step}"] = enc["input_ids"].contiguous()
+        ref[f"attention_mask.{step}"] = enc["attention_mask"].contiguous()
+        ref[f"token_type_ids.{step}"] = torch.zeros_like(enc["input_ids"])
+        ref[f"labels.{step}"] = labels.contiguous()
+    ref["losses"] = torch.tensor(losses, dtype=torch.float64)
+    ref["lrs"] = torch.tensor(lrs, dtype=torch.float64)
+    for name in ["lm_head.weight", "model.layers.1.mlp.down_proj.weight"]:
+        ref[f"final.{name}"] = dict(model.named_parameters())[name].detach().contiguous()
+    save_file(ref, out_dir / "reference.safetensors")
+    (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
+    print(f"train_parity_llama: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+# Chat templates in the styles of real checkpoints (ChatML with a default system prompt as
+# SmolLM2/Qwen ship, Llama 3's header tokens, Zephyr's role check with raise_exception), plus
+# one exercising tojson, namespace and loop controls. apply_chat_template renders each.
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{- bos_token }}\n{%- for message in messages %}\n"
+        "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\n"
+        "{%- endfor %}\n{%- if add_generation_prompt %}\n"
+        "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n"
+    ),
+    "zephyr": (
+        "{% if messages[0]['role'] == 'system' %}{% set offset = 1 %}{% else %}{% set offset = 0 %}{% endif %}\n"
+        "{% for message in messages %}\n"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == offset) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}\n"
+        "{{ '<|' + message['role'] + '|>\\n' + message['content'].strip() + eos_token + '\\n' }}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}\n"
+    ),
+    "tools": (
+        "{%- set ns = namespace(turns=0) -%}\n"
+        "{%- for message in messages -%}\n"
+        "    {%- if message.role == 'system' -%}{%- continue -%}{%- endif -%}\n"
+        "    {%- set ns.turns = ns.turns + 1 -%}\n"
+        "    {{- '[' ~ ns.turns ~ '] ' ~ message.role|upper ~ ': ' ~ (message | tojson) ~ '\\n' -}}\n"
+        "    {%- if message.content.startswith('STOP') -%}{%- break -%}{%- endif -%}\n"
+        "{%- endfor -%}\n"
+        "{%- if add_generation_prompt -%}{{- '[' ~ (ns.turns + 1) ~ '] ASSISTANT:' -}}{%- endif -%}\n"
+    ),
+}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "  2 + 2? "},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
+     {"role": "assistant", "content": "6 \u00e9t\u00e9 \"quoted\""}],
+    [{"role": "user", "content": "STOP here"}, {"role": "assistant", "content": "ok"}],
+]
+
+
+def chat_fixtures():
+    """Each template rendered by transformers' apply_chat_template, with and without the
+    generation prompt, and the conversations it refuses (raise_exception)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    out = OUT / "chat"
+    out.mkdir(parents=True, exist_ok=True)
+    cases = []
+    for name, template in CHAT_TEMPLATES.items():
+        tok = PreTrainedTokenizerFast(tokenizer_object=RawTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                      bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        tok.chat_template = template
+        convs = CONVERSATIONS + ([[{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]]
+                                 if name == "zephyr" else [])
+        for conv in convs:
+            for prompt in (False, True):
+                msgs = conv[:-1] if prompt else conv
+                try:
+                    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+                    cases.append({"template": name, "messages": msgs, "add_generation_prompt": prompt, "expected": text})
+                except Exception as e:  # noqa: BLE001 - the template's own error
+                    cases.append({"template": name, "messages": msgs, "add_generation_prompt": prompt, "error": str(e)})
+    doc = {"special_tokens": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+           "templates": CHAT_TEMPLATES, "cases": cases}
+    (out / "templates.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"chat: {len(cases)} renderings of {len(CHAT_TEMPLATES)} templates")
+
+
+def decoder_fixtures():
+    tok = decoder_tokenizer()
+    for arch in ["gpt2", "llama", "llama-tied", "mistral", "qwen2", "qwen3"]:
+        make_decoder_case(arch, "causal-lm", tok)
+    for arch in ["gpt2", "llama"]:
+        make_decoder_case(arch, "seq-cls", tok)
+    decoder_training_reference(tok)
+
+
 def main():
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--qa-reference", type=Path, help="directory with utils_qa.py, evaluate-v1.1.py, evaluate-v2.0.py")
     parser.add_argument("--only-qa", action="store_true", help="write the question-answering fixtures only")
+    parser.add_argument("--only-decoders", action="store_true", help="write the decoder fixtures only")
     args = parser.parse_args()
+    if args.only_decoders:
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
+        decoder_fixtures()
+        chat_fixtures()
+        return
     if args.only_qa:
         qa_features_reference()
         qa_formats_reference()
@@ -565,6 +811,8 @@ def main():
             make_case(arch, head, tok)
     minilm_reference()
     training_reference(tokenizers_by_arch["bert"])
+    decoder_fixtures()
+    chat_fixtures()
     data_fixtures()
     qa_features_reference()
     qa_formats_reference()

@@ -15,7 +15,7 @@ use tch::{Kind, Tensor};
 
 use crate::atomic_file::{write_atomic, write_atomic_with};
 use crate::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
-use crate::models::{EncoderConfig, TaskModel};
+use crate::models::{HfConfig, TaskModel};
 use crate::optim::AdamW;
 
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -92,7 +92,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
 
 /// config.json as transformers writes it for the trained model: the original keys, plus the
 /// architecture, labels and problem type.
-pub fn model_config_json(config: &EncoderConfig, class_name: &str) -> Result<String> {
+pub fn model_config_json(config: &HfConfig, class_name: &str) -> Result<String> {
     let mut raw = config.raw.as_object().cloned().unwrap_or_default();
     raw.insert("architectures".into(), serde_json::json!([class_name]));
     let id2label: BTreeMap<String, String> = config
@@ -111,7 +111,21 @@ pub fn model_config_json(config: &EncoderConfig, class_name: &str) -> Result<Str
     if let Some(p) = config.problem_type {
         raw.insert("problem_type".into(), p.as_hf_str().into());
     }
-    Ok(serde_json::to_string_pretty(&serde_json::Value::Object(raw))? + "\n")
+    let mut value = serde_json::Value::Object(raw);
+    sort_keys(&mut value);
+    Ok(serde_json::to_string_pretty(&value)? + "\n")
+}
+
+/// Orders every object's keys, as transformers' `to_json_string` (`sort_keys=True`) does.
+fn sort_keys(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.sort_keys();
+            map.values_mut().for_each(sort_keys);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(sort_keys),
+        _ => {}
+    }
 }
 
 /// Everything a model directory holds, ready to write.

@@ -126,6 +126,21 @@ pub struct DataConfig {
     pub pad_to_max_length: bool,
     /// Batch examples of similar length together (fewer pad tokens; order still seeded).
     pub group_by_length: bool,
+    /// Causal LM on texts: concatenate them and cut blocks of model.max_seq_len tokens
+    /// (run_clm.py's group_texts; the held-out part is the end of the stream); false = one
+    /// text per sequence, truncated.
+    pub packing: bool,
+    /// Packing: tokens between the starts of consecutive training blocks; 0 = the block length
+    /// (disjoint blocks, as run_clm.py). Smaller strides train on overlapping windows at more
+    /// offsets, as nanoGPT's random windows do; evaluation blocks stay disjoint.
+    pub block_stride: usize,
+    /// Instruction tuning: JSON field of the prompt (not scored) ...
+    pub prompt_column: String,
+    /// ... and of the completion the loss is computed on.
+    pub completion_column: String,
+    /// Chat tuning: JSON field with a list of {role, content} messages, rendered with the
+    /// tokenizer's chat template; the loss is on the last (assistant) message.
+    pub messages_column: String,
 }
 
 impl Default for DataConfig {
@@ -144,6 +159,11 @@ impl Default for DataConfig {
             skip_bad_rows: false,
             pad_to_max_length: false,
             group_by_length: false,
+            packing: true,
+            block_stride: 0,
+            prompt_column: "prompt".into(),
+            completion_column: "completion".into(),
+            messages_column: "messages".into(),
         }
     }
 }
@@ -181,6 +201,9 @@ pub struct TrainConfig {
     pub warmup_steps: usize,
     /// Warmup as a fraction of the total steps.
     pub warmup_ratio: f64,
+    /// "cosine" only: decay to this fraction of learning_rate instead of 0 (transformers'
+    /// cosine_with_min_lr min_lr_rate; nanoGPT's min_lr / learning_rate).
+    pub min_lr_rate: f64,
     /// Drop the last incomplete batch of each epoch.
     pub drop_last: bool,
     /// Log metrics every this many optimizer steps.
@@ -209,6 +232,7 @@ impl Default for TrainConfig {
             lr_scheduler: crate::optim::ScheduleKind::Linear,
             warmup_steps: 0,
             warmup_ratio: 0.0,
+            min_lr_rate: 0.0,
             drop_last: false,
             logging_steps: 10,
             save_steps: 500,
@@ -255,7 +279,8 @@ pub struct ModelConfig {
     pub name_or_path: String,
     /// Hub revision (branch, tag or commit hash); ignored for local directories.
     pub revision: String,
-    /// Head to train: "seq-cls", "qa" or "mlm".
+    /// Head to train: "seq-cls", "qa", "mlm" or "causal-lm" (decoders: gpt2, llama, mistral, qwen2,
+    /// qwen3).
     pub task: TaskName,
     /// Labels of a new classification head; 0 keeps config.json's count.
     pub num_labels: usize,
@@ -306,6 +331,10 @@ pub enum TaskName {
     #[serde(rename = "mlm")]
     #[value(name = "mlm")]
     Mlm,
+    /// Causal language modelling and instruction tuning (`*ForCausalLM`).
+    #[serde(rename = "causal-lm")]
+    #[value(name = "causal-lm")]
+    CausalLm,
 }
 
 impl TaskName {
@@ -316,6 +345,7 @@ impl TaskName {
             TaskName::SeqCls => Head::SequenceClassification,
             TaskName::Qa => Head::QuestionAnswering,
             TaskName::Mlm => Head::MaskedLm,
+            TaskName::CausalLm => Head::CausalLm,
         }
     }
 }
@@ -492,6 +522,9 @@ impl Config {
         }
         if !(0.0..1.0).contains(&self.data.eval_split) {
             bail!("data.eval_split: {} is not in [0, 1)", self.data.eval_split);
+        }
+        if !(0.0..=1.0).contains(&t.min_lr_rate) {
+            bail!("train.min_lr_rate: {} is not in [0, 1]", t.min_lr_rate);
         }
         if !(0.0..=1.0).contains(&t.warmup_ratio) {
             bail!("train.warmup_ratio: {} is not in [0, 1]", t.warmup_ratio);

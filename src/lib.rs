@@ -1,4 +1,5 @@
-//! sprtrain: data-parallel fine-tuning of Hugging Face encoder models on CPU clusters.
+//! sprtrain: data-parallel training of Hugging Face transformer models (encoders and decoder
+//! language models) on CPU clusters.
 //!
 //! Layout (docs/architecture.md follows a batch through it):
 //! - `cli` (main.rs) -> `config` (typed TOML) -> `train` (the loop: `Trainer`, evaluation,
@@ -8,7 +9,8 @@
 //! - Beside them: `metrics` (accuracy, F1, correlations, SQuAD EM/F1), `qa` (answers from
 //!   start/end logits), `report` (metrics log, progress bar, plot), `hub` (local paths or the
 //!   Hugging Face Hub), `hf_files` (HF file names and the shard index), `atomic_file` (files
-//!   written whole or not at all), `predict` and `sysinfo` (the `predict` and `env` commands),
+//!   written whole or not at all), `predict`, `generate` and `sysinfo` (the `predict`, `generate` and `env`
+//!   commands),
 //!   `allocator` (picks the C allocator before any of it runs).
 
 pub mod allocator;
@@ -17,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod generate;
 pub mod hf_files;
 pub mod hub;
 pub mod metrics;

@@ -16,7 +16,7 @@ use sprtrain::train::setup;
 #[command(
     name = "sprtrain",
     version,
-    about = "Data-parallel fine-tuning of Hugging Face encoder models on CPU clusters",
+    about = "Data-parallel training of Hugging Face transformer models on CPU clusters",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
@@ -38,6 +38,19 @@ struct Cli {
 enum Command {
     /// Print the CPU features, cores, libtorch build, threads and MPI library that training uses.
     Env,
+    /// Continue a prompt with a causal language model (greedy, or sampled with temperature,
+    /// top-k and top-p), printing the prompt and its continuation.
+    Generate(sprtrain::generate::GenerateArgs),
+    /// Build a character-level tokenizer.json (one token per distinct character of a text
+    /// file, as nanoGPT's shakespeare_char) with the tokenizers crate.
+    CharTokenizer {
+        /// The text whose characters make the vocabulary.
+        #[arg(long)]
+        text: PathBuf,
+        /// Where to write tokenizer.json.
+        #[arg(long)]
+        output: PathBuf,
+    },
     /// Run a model over a JSON Lines file and write each example's logits as JSON Lines.
     Predict(PredictArgs),
     /// Validate a config: parse it, apply --set, resolve and load the model and tokenizer
@@ -81,7 +94,7 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         random,
     };
     let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
-    let adapt = |c: &mut models::EncoderConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
+    let adapt = |c: &mut models::HfConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
     let (pretrained, tokenizer) =
         setup::load_model(&config, source, config.model.task.head(), adapt, true)?;
     let class = pretrained.model.class_name();
@@ -160,6 +173,19 @@ fn run(cli: Cli) -> Result<()> {
             }
             let line = format!("placement        {}\n", placement.describe(&dist.topo));
             std::io::Write::write_all(&mut std::io::stdout().lock(), line.as_bytes())?;
+        }
+        Command::Generate(args) => {
+            let continuation = sprtrain::generate::run(&args).context("generate")?;
+            let prompt = if args.chat {
+                String::new()
+            } else {
+                args.prompt.clone()
+            };
+            println!("{prompt}{continuation}");
+        }
+        Command::CharTokenizer { text, output } => {
+            let n = sprtrain::data::tokenizer::write_char_tokenizer(&text, &output)?;
+            eprintln!("wrote {} with {n} characters", output.display());
         }
         Command::Predict(args) => {
             let n = predict::run(&args).context("predict")?;

@@ -60,10 +60,24 @@ fn bind_grads(vars: &[Tensor], slots: &[Slot], grads: &Tensor) {
     }
 }
 
-/// transformers' Trainer exempts biases and LayerNorm weights from weight decay.
+/// transformers' Trainer exempts biases and normalisation weights from weight decay: names
+/// containing `bias`, `layernorm`, `rmsnorm`, a `norm` segment or `_norm`, and the parameters
+/// of `nn.LayerNorm` modules (GPT-2's are named `ln_1`, `ln_2`, `ln_f`).
 pub fn takes_weight_decay(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
-    !(name.ends_with(".bias") || lower.contains("layernorm") || lower.contains("layer_norm"))
+    let segments: Vec<&str> = lower.split('.').collect();
+    let norm_module = segments.iter().any(|s| {
+        *s == "norm"
+            || s.ends_with("_norm")
+            || *s == "ln_f"
+            || s.strip_prefix("ln_")
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+    });
+    !(lower.contains("bias")
+        || lower.contains("layernorm")
+        || lower.contains("rmsnorm")
+        || lower.contains("layer_norm")
+        || norm_module)
 }
 
 impl FlatParams {
@@ -341,6 +355,9 @@ pub struct LrSchedule {
     pub base_lr: f64,
     pub warmup_steps: i64,
     pub total_steps: i64,
+    /// Cosine: the floor as a fraction of `base_lr` (transformers' `cosine_with_min_lr`
+    /// `min_lr_rate`; nanoGPT's min_lr / learning_rate).
+    pub min_lr_rate: f64,
 }
 
 impl LrSchedule {
@@ -358,6 +375,7 @@ impl LrSchedule {
             base_lr,
             warmup_steps,
             total_steps,
+            min_lr_rate: 0.0,
         })
     }
 
@@ -380,7 +398,8 @@ impl LrSchedule {
             ScheduleKind::Linear => ((t - step) as f64 / (t - w).max(1) as f64).max(0.0),
             ScheduleKind::Cosine => {
                 let progress = (step - w) as f64 / (t - w).max(1) as f64;
-                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+                let cosine = (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0);
+                cosine * (1.0 - self.min_lr_rate) + self.min_lr_rate
             }
         };
         self.base_lr * factor
@@ -434,6 +453,14 @@ mod tests {
         let cos = LrSchedule::new(ScheduleKind::Cosine, 1.0, 2, 10).unwrap();
         assert!((cos.lr(6) - 0.5).abs() < 1e-12);
         assert!((cos.lr(10)).abs() < 1e-12);
+        // cosine_with_min_lr, min_lr_rate 0.1: halfway is 0.1 + 0.9 * 0.5, the end 0.1.
+        let floored = LrSchedule {
+            min_lr_rate: 0.1,
+            ..cos
+        };
+        assert!((floored.lr(6) - 0.55).abs() < 1e-12);
+        assert!((floored.lr(10) - 0.1).abs() < 1e-12);
+        assert_eq!(floored.lr(1), 0.5);
         let constant = LrSchedule::new(ScheduleKind::Constant, 2.0, 4, 10).unwrap();
         assert_eq!((constant.lr(1), constant.lr(9)), (0.5, 2.0));
         assert_eq!(LrSchedule::warmup_from(0, 0.06, 1000), 60);
@@ -469,6 +496,26 @@ mod tests {
             "distilbert.transformer.layer.0.sa_layer_norm.weight"
         ));
         assert!(!takes_weight_decay("roberta.lm_head.layer_norm.weight"));
+        // Decoders, as Trainer's name patterns and LayerNorm module type decide.
+        for name in [
+            "transformer.h.0.ln_1.weight",
+            "transformer.h.3.ln_2.bias",
+            "transformer.ln_f.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.self_attn.q_norm.weight",
+            "model.norm.weight",
+        ] {
+            assert!(!takes_weight_decay(name), "{name}");
+        }
+        for name in [
+            "transformer.wte.weight",
+            "transformer.h.0.attn.c_attn.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "lm_head.weight",
+        ] {
+            assert!(takes_weight_decay(name), "{name}");
+        }
     }
 
     #[test]

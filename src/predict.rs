@@ -109,7 +109,7 @@ fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
     )?)
 }
 
-fn classification_record(logits: Vec<f32>, config: &models::EncoderConfig) -> Value {
+fn classification_record(logits: Vec<f32>, config: &models::HfConfig) -> Value {
     let mut rec = json!({ "logits": logits });
     match config.resolved_problem_type() {
         ProblemType::SingleLabel => {
@@ -184,8 +184,12 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
         bail!("--batch-size must be at least 1");
     }
     let task = args.task;
-    if task == TaskName::Mlm {
-        bail!("--task mlm: predict runs seq-cls or qa heads");
+    match task {
+        TaskName::Mlm => bail!("--task mlm: predict runs seq-cls or qa heads"),
+        TaskName::CausalLm => {
+            bail!("--task causal-lm: use `sprtrain generate` for language models")
+        }
+        _ => {}
     }
     let examples = read_examples(&args.input, task)?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;

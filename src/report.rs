@@ -98,12 +98,15 @@ impl Progress {
     }
 }
 
-/// `key value` pairs of a record, numbers rounded for reading.
+/// `key value` pairs of a record in key order, numbers rounded for reading.
 fn summarize(record: &Value) -> String {
     let Some(obj) = record.as_object() else {
         return record.to_string();
     };
-    obj.iter()
+    let mut pairs: Vec<(&String, &Value)> = obj.iter().collect();
+    pairs.sort_by_key(|(k, _)| *k);
+    pairs
+        .into_iter()
         .map(|(k, v)| match v.as_f64() {
             Some(x) if k == "step" => format!("{k} {x}"),
             Some(x) if k == "lr" => format!("{k} {x:.3e}"),

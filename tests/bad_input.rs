@@ -103,10 +103,76 @@ fn malformed_config_json() {
 #[test]
 fn unsupported_model_type() {
     let (_t, dir) = model_copy("distilbert-seq-cls-single");
-    edit_config(&dir, |v| v["model_type"] = "gpt2".into());
+    edit_config(&dir, |v| v["model_type"] = "t5".into());
     let e = predict_error(&dir, None);
     assert!(
-        e.contains("config.json") && e.contains("unsupported model_type \"gpt2\""),
+        e.contains("config.json") && e.contains("unsupported model_type \"t5\""),
+        "{e}"
+    );
+}
+
+/// Runs a command expected to fail and returns its last stderr line (training logs first).
+fn failure_line(cmd: &mut std::process::Command) -> String {
+    let run = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr).trim().to_string();
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default().to_string();
+    assert!(last.starts_with("sprtrain: error: "), "{stderr}");
+    eprintln!("{last}");
+    last
+}
+
+/// Decoders: a causal-LM task on an encoder, generation from an encoder, a prompt longer than
+/// GPT-2's positions, and a chat template that refuses the conversation each end in one line.
+#[test]
+fn decoder_misuse_is_one_clear_line() {
+    let bert = fixtures().join("parity").join("bert-qa");
+    let e = check_error(
+        &format!(
+            "[model]\nname_or_path = \"{}\"\ntask = \"causal-lm\"\n",
+            bert.display()
+        ),
+        &[],
+    );
+    assert!(e.contains("is an encoder: it has no causal-LM head"), "{e}");
+
+    let e = failure_line(
+        sprtrain()
+            .args(["generate", "--prompt", "hi", "--model"])
+            .arg(&bert),
+    );
+    assert!(e.contains("cannot load a causal language model"), "{e}");
+
+    let gpt2 = fixtures().join("parity").join("gpt2-causal-lm");
+    let long = "Paris is the capital ".repeat(40);
+    let e = failure_line(
+        sprtrain()
+            .args(["generate", "--prompt", &long, "--model"])
+            .arg(&gpt2),
+    );
+    assert!(e.contains("positions leave no room to generate"), "{e}");
+
+    let (tmp, dir) = model_copy("llama-causal-lm");
+    let template = "{% for m in messages %}{% if loop.first and m['role'] != 'user' %}{{ raise_exception('the first turn must be the user') }}{% endif %}{{ m['content'] }}{% endfor %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    let conversation = serde_json::json!({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Hello."}
+    ]});
+    std::fs::write(&data, format!("{conversation}\n")).unwrap();
+    let config = common::RunConfig::new(&dir, &data, &tmp.path().join("out"))
+        .set("model.task", "causal-lm")
+        .set("train.max_steps", 1)
+        .write(&tmp.path().join("chat.toml"));
+    let e = failure_line(sprtrain().arg("--config").arg(&config));
+    assert!(
+        e.contains("fails to render") && e.contains("the first turn must be the user"),
         "{e}"
     );
 }

@@ -75,3 +75,50 @@ fn bf16_compute_keeps_fp32_master_state_and_tracks_fp32() {
     // The guard restores fp32.
     assert_eq!(p.model.forward(&inputs, false).logits.kind(), Kind::Float);
 }
+
+/// Decoders under bf16: every family's logits track fp32 (rotary tables, RMSNorm and the loss
+/// stay fp32; Qwen3's fp32 q/k norms meet bf16 values in attention), gradients point the same
+/// way.
+#[test]
+fn bf16_decoders_track_fp32() {
+    for case in [
+        "gpt2-causal-lm",
+        "llama-causal-lm",
+        "mistral-causal-lm",
+        "qwen2-causal-lm",
+        "qwen3-causal-lm",
+    ] {
+        let dir = fixtures().join("parity").join(case);
+        let r = reference(&dir.join("reference.safetensors"));
+        let p = from_pretrained(&dir, Head::CausalLm, |_| Ok(()), 0).unwrap();
+        let inputs = EncoderInputs {
+            input_ids: r["input_ids"].shallow_clone(),
+            attention_mask: r["attention_mask"].shallow_clone(),
+            token_type_ids: None,
+        };
+        let labels = Labels::Tokens(r["labels"].shallow_clone());
+        let (name, var) =
+            p.vs.variables()
+                .into_iter()
+                .find(|(n, _)| n.contains("layers.0.") || n.contains("h.0.attn.c_attn.weight"))
+                .unwrap();
+        let fp32 = p.model.forward(&inputs, false);
+        p.model.loss(&fp32, &labels).unwrap().backward();
+        let fp32_grad = var.grad().copy();
+        p.vs.variables().values_mut().for_each(|v| v.zero_grad());
+        let out = {
+            let _bf16 = autocast(Some(Kind::BFloat16));
+            let out = p.model.forward(&inputs, false);
+            p.model.loss(&out, &labels).unwrap().backward();
+            out
+        };
+        let d = (out.logits.to_kind(Kind::Float) - &fp32.logits)
+            .abs()
+            .max()
+            .double_value(&[]);
+        let c = cosine(&var.grad(), &fp32_grad);
+        eprintln!("{case}: bf16 logits max abs diff {d:e}, gradient cosine of {name} {c}");
+        assert!(d < 2e-2, "{case}: bf16 logits drift {d}");
+        assert!(c > 0.99, "{case}: {c}");
+    }
+}

@@ -1,5 +1,8 @@
 //! Forward, loss and gradient parity with Hugging Face transformers 5.23.0 on tiny random
-//! models of every architecture and head (fixtures from scripts/make_fixtures.py).
+//! models of every architecture and head (fixtures from scripts/make_fixtures.py): the
+//! encoders, and the decoders (GPT-2, Llama with GQA and llama3 rope scaling, tied Llama,
+//! Mistral with a sliding window, Qwen2 with q/k/v biases, Qwen3 with q/k norms) on a right-padded
+//! batch.
 //!
 //! Tolerances: fp32 forward (hidden states, logits, loss) 1e-5 absolute — libtorch and PyTorch
 //! run the same kernels, so differences come only from op order (seen: ~1e-7); gradients 1e-4.
@@ -22,6 +25,7 @@ fn check_case(name: &str) {
     let task = match head {
         "base" => Head::Base,
         "qa" => Head::QuestionAnswering,
+        "causal-lm" => Head::CausalLm,
         h if h.starts_with("mlm") => Head::MaskedLm,
         _ => Head::SequenceClassification,
     };
@@ -70,7 +74,7 @@ fn check_case(name: &str) {
             assert!(d <= FORWARD_TOL, "{name}: logits differ by {d:e}");
             let y = r["labels"].shallow_clone();
             let labels = match head {
-                "seq-cls-single" => Labels::Classes(y),
+                "seq-cls-single" | "seq-cls" => Labels::Classes(y),
                 "seq-cls-multi" => Labels::MultiHot(y),
                 "seq-cls-regression" => Labels::Values(y),
                 _ => Labels::Tokens(y),
@@ -132,6 +136,14 @@ parity_tests! {
     roberta_seq_cls_regression => "roberta-seq-cls-regression",
     roberta_qa => "roberta-qa",
     roberta_mlm => "roberta-mlm",
+    gpt2_causal_lm => "gpt2-causal-lm",
+    gpt2_seq_cls_last_token => "gpt2-seq-cls",
+    llama_causal_lm_gqa_llama3_rope => "llama-causal-lm",
+    llama_causal_lm_tied => "llama-tied-causal-lm",
+    llama_seq_cls_last_token => "llama-seq-cls",
+    mistral_causal_lm_sliding_window => "mistral-causal-lm",
+    qwen2_causal_lm_qkv_bias => "qwen2-causal-lm",
+    qwen3_causal_lm_qk_norm => "qwen3-causal-lm",
 }
 
 /// A task checkpoint loads as the bare model (prefix stripped, head reported unused) and gives

@@ -1,7 +1,9 @@
-//! Training parity with transformers: the same tiny BERT classifier, the same 20 batches, AdamW
-//! with weight decay off biases and LayerNorm weights, linear warmup + decay, clipping at 1.0.
+//! Training parity with transformers: the same tiny model, the same 20 batches, AdamW with
+//! weight decay off biases and normalisation weights, warmup then decay, clipping at 1.0.
 //! Per-step losses must agree within 1e-4 relative (fp32; the two sides differ only in op
-//! order, seen ~1e-6), learning rates exactly, final weights within 1e-4.
+//! order, seen ~1e-6), learning rates exactly, final weights within 1e-4. Two recipes: a BERT
+//! classifier with a linear schedule, and a Llama causal LM (GQA, untied head) with a cosine
+//! schedule and beta2 0.95.
 
 mod common;
 
@@ -10,16 +12,16 @@ use sprtrain::config::TrainConfig;
 use sprtrain::models::{from_pretrained, EncoderInputs, Head, Labels};
 use sprtrain::optim::{FlatParams, ScheduleKind};
 use sprtrain::train::optimizer;
+use tch::Tensor;
 
-#[test]
-fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
-    let dir = fixtures().join("train_parity");
+fn check_training(fixture: &str, head: Head, labels: fn(Tensor) -> Labels, finals: &[&str]) {
+    let dir = fixtures().join(fixture);
     let r = reference(&dir.join("reference.safetensors"));
     let hp: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
     let steps = hp["steps"].as_i64().unwrap();
-    let p = from_pretrained(&dir, Head::SequenceClassification, |_| Ok(()), 0).unwrap();
+    let p = from_pretrained(&dir, head, |_| Ok(()), 0).unwrap();
     // transformers' recipe as a config: the engine builds its optimizer (clip -> lr -> AdamW
     // -> zero) from it exactly as a training run does.
     let tc = TrainConfig {
@@ -27,7 +29,11 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
         weight_decay: hp["weight_decay"].as_f64().unwrap(),
         warmup_steps: hp["warmup_steps"].as_u64().unwrap() as usize,
         max_grad_norm: hp["max_grad_norm"].as_f64().unwrap(),
-        lr_scheduler: ScheduleKind::Linear,
+        adam_beta2: hp["adam_beta2"].as_f64().unwrap_or(0.999),
+        lr_scheduler: match hp["lr_scheduler"].as_str().unwrap_or("linear") {
+            "cosine" => ScheduleKind::Cosine,
+            _ => ScheduleKind::Linear,
+        },
         ..TrainConfig::default()
     };
     let flat = FlatParams::new(&p.vs, |n| p.model.backward_stage(n));
@@ -42,7 +48,7 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
             token_type_ids: Some(get("token_type_ids")),
         };
         let out = p.model.forward(&inputs, true);
-        let loss = p.model.loss(&out, &Labels::Classes(get("labels"))).unwrap();
+        let loss = p.model.loss(&out, &labels(get("labels"))).unwrap();
         loss.backward();
         let lr = opt.step(step as usize).lr;
         assert!(
@@ -56,12 +62,32 @@ fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
         assert!(rel <= 1e-4, "step {step}: loss {got} vs {w}");
     }
     let vars = p.vs.variables();
-    for name in [
-        "classifier.weight",
-        "bert.encoder.layer.1.output.dense.weight",
-    ] {
-        let d = max_abs_diff(&vars[name], &r[&format!("final.{name}")]);
+    for name in finals {
+        let d = max_abs_diff(&vars[*name], &r[&format!("final.{name}")]);
         eprintln!("final {name}: max abs diff {d:e}");
         assert!(d <= 1e-4, "final {name} differs by {d:e}");
     }
+}
+
+#[test]
+fn twenty_steps_match_torch_adamw_and_transformers_schedule() {
+    check_training(
+        "train_parity",
+        Head::SequenceClassification,
+        Labels::Classes,
+        &[
+            "classifier.weight",
+            "bert.encoder.layer.1.output.dense.weight",
+        ],
+    );
+}
+
+#[test]
+fn twenty_causal_lm_steps_of_a_llama_match_transformers() {
+    check_training(
+        "train_parity_llama",
+        Head::CausalLm,
+        Labels::Tokens,
+        &["lm_head.weight", "model.layers.1.mlp.down_proj.weight"],
+    );
 }

@@ -22,6 +22,9 @@ pub enum Target {
     Value(f64),
     /// Start and end token positions of an answer (question answering).
     Span(i64, i64),
+    /// Causal LM: every token from position `from` on is a target (the prompt before it is not
+    /// scored; 0 for plain text).
+    NextTokens { from: usize },
 }
 
 /// One tokenized example (or one window of one, in question answering).
@@ -45,7 +48,8 @@ impl Feature {
 
 /// Serialises features for exchange between processes: per feature, u32 length, the ids as
 /// u32, the type ids as u8, then a tag byte and the target: 0 and a u64 class id, 1 and an
-/// f64 value, or 2 and two i64 span positions (little-endian).
+/// f64 value, 2 and two i64 span positions, or 3 and the u64 first scored position
+/// (little-endian).
 pub fn encode_features(features: &[Feature]) -> Vec<u8> {
     let mut out = Vec::new();
     for f in features {
@@ -67,6 +71,10 @@ pub fn encode_features(features: &[Feature]) -> Vec<u8> {
                 out.push(2);
                 out.extend(s.to_le_bytes());
                 out.extend(e.to_le_bytes());
+            }
+            Target::NextTokens { from } => {
+                out.push(3);
+                out.extend((from as u64).to_le_bytes());
             }
         }
     }
@@ -98,6 +106,9 @@ pub fn decode_features(bytes: &[u8]) -> Result<Vec<Feature>> {
                 i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
                 i64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?),
             ),
+            3 => Target::NextTokens {
+                from: u64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?) as usize,
+            },
             tag => anyhow::bail!("unknown feature target tag {tag}"),
         };
         out.push(Feature {
@@ -220,10 +231,11 @@ pub fn collate(
 }
 
 /// A batch's labels, of the kind its features' targets are: (B) class ids, (B) regression
-/// values, or (B) start and (B) end positions. An empty batch, or one mixing kinds, is an
-/// error.
-pub fn batch_labels(features: &[&Feature]) -> Result<Labels> {
+/// values, (B) start and (B) end positions, or (B, `seq_len`) token labels (-100 on the prompt
+/// and the padding). An empty batch, or one mixing kinds, is an error.
+pub fn batch_labels(features: &[&Feature], seq_len: usize) -> Result<Labels> {
     let (mut classes, mut values, mut starts, mut ends) = (vec![], vec![], vec![], vec![]);
+    let mut tokens = Vec::new();
     for f in features {
         match f.target {
             Target::Class(c) => classes.push(c as i64),
@@ -232,9 +244,24 @@ pub fn batch_labels(features: &[&Feature]) -> Result<Labels> {
                 starts.push(s);
                 ends.push(e);
             }
+            Target::NextTokens { from } => {
+                let mut row = vec![-100i64; seq_len];
+                for (i, &id) in f.input_ids.iter().enumerate().skip(from).take(seq_len) {
+                    row[i] = id;
+                }
+                tokens.push(row);
+            }
         }
     }
     let n = features.len();
+    if !tokens.is_empty() {
+        if tokens.len() != n {
+            anyhow::bail!("a batch mixes targets of different kinds");
+        }
+        return Ok(Labels::Tokens(
+            Tensor::from_slice(&tokens.concat()).view([n as i64, seq_len as i64]),
+        ));
+    }
     Ok(match (classes.len(), values.len(), starts.len()) {
         _ if n == 0 => anyhow::bail!("an empty batch has no labels"),
         (c, _, _) if c == n => Labels::Classes(Tensor::from_slice(&classes)),
@@ -332,6 +359,11 @@ mod tests {
                 type_ids: vec![0, 0, 0, 1, 1],
                 target: Target::Span(3, 4),
             },
+            Feature {
+                input_ids: vec![4, 5, 6],
+                type_ids: vec![0, 0, 0],
+                target: Target::NextTokens { from: 2 },
+            },
         ];
         let back = decode_features(&encode_features(&f)).unwrap();
         assert_eq!(back, f);
@@ -346,23 +378,43 @@ mod tests {
             target,
         };
         let (a, b) = (feature(Target::Class(2)), feature(Target::Class(0)));
-        let Labels::Classes(y) = batch_labels(&[&a, &b]).unwrap() else {
+        let Labels::Classes(y) = batch_labels(&[&a, &b], 2).unwrap() else {
             panic!("class targets make class labels")
         };
         assert_eq!(Vec::<i64>::try_from(&y).unwrap(), [2, 0]);
         let v = feature(Target::Value(-0.25));
-        let Labels::Values(y) = batch_labels(&[&v]).unwrap() else {
+        let Labels::Values(y) = batch_labels(&[&v], 2).unwrap() else {
             panic!("values make value labels")
         };
         assert_eq!(Vec::<f32>::try_from(&y).unwrap(), [-0.25]);
         let s = feature(Target::Span(3, 4));
-        let Labels::Spans { start, end } = batch_labels(&[&s, &s]).unwrap() else {
+        let Labels::Spans { start, end } = batch_labels(&[&s, &s], 2).unwrap() else {
             panic!("spans make span labels")
         };
         assert_eq!(Vec::<i64>::try_from(&start).unwrap(), [3, 3]);
         assert_eq!(Vec::<i64>::try_from(&end).unwrap(), [4, 4]);
-        assert!(batch_labels(&[&a, &v]).is_err());
-        assert!(batch_labels(&[]).is_err());
+        assert!(batch_labels(&[&a, &v], 2).is_err());
+        assert!(batch_labels(&[], 2).is_err());
+        // Causal LM: the prompt and the padding are not scored.
+        let prompted = Feature {
+            input_ids: vec![5, 6, 7],
+            type_ids: vec![0; 3],
+            target: Target::NextTokens { from: 1 },
+        };
+        let text = Feature {
+            input_ids: vec![8, 9],
+            type_ids: vec![0; 2],
+            target: Target::NextTokens { from: 0 },
+        };
+        let Labels::Tokens(y) = batch_labels(&[&prompted, &text], 4).unwrap() else {
+            panic!("next-token targets make token labels")
+        };
+        assert_eq!(y.size(), [2, 4]);
+        assert_eq!(
+            Vec::<i64>::try_from(&y.view([-1])).unwrap(),
+            [-100, 6, 7, -100, 8, 9, -100, -100]
+        );
+        assert!(batch_labels(&[&prompted, &a], 4).is_err());
     }
 
     #[test]

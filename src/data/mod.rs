@@ -1,6 +1,7 @@
 //! Data: tokenization and batching. Knows nothing of models' internals or of MPI.
 
 pub mod batching;
+pub mod chat;
 pub mod classification;
 pub mod squad;
 pub mod tokenizer;

@@ -48,6 +48,21 @@ pub fn load_tokenizer(
     Ok(inner)
 }
 
+/// Loads `tokenizer.json` without padding or truncation: language-model texts are cut into
+/// blocks after tokenization.
+pub fn load_untruncated(path: &Path) -> Result<Tokenizer> {
+    if !path.is_file() {
+        bail!("tokenizer file {} does not exist", path.display());
+    }
+    let mut inner = Tokenizer::from_file(path)
+        .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
+    inner.with_padding(None);
+    inner
+        .with_truncation(None)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok(inner)
+}
+
 pub struct TextTokenizer {
     inner: Tokenizer,
     pad_id: i64,
@@ -85,4 +100,40 @@ impl TextTokenizer {
     pub fn pad_id(&self) -> i64 {
         self.pad_id
     }
+}
+
+/// Writes a character-level tokenizer.json for `text_file`: token i is the i-th distinct
+/// character in code-point order (nanoGPT's `sorted(set(data))`), encoding maps each
+/// character to its token and decoding joins them back. Returns the vocabulary size.
+pub fn write_char_tokenizer(text_file: &Path, output: &Path) -> Result<usize> {
+    use std::collections::BTreeSet;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::models::bpe::BPE;
+
+    let text = std::fs::read_to_string(text_file)
+        .map_err(|e| anyhow!("cannot read {} as UTF-8 text: {e}", text_file.display()))?;
+    let chars: BTreeSet<char> = text.chars().collect();
+    if chars.is_empty() {
+        bail!(
+            "{} is empty: no characters for a vocabulary",
+            text_file.display()
+        );
+    }
+    let vocab: ahash::AHashMap<String, u32> = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    // BPE without merges over one "word" per text: every character is its own token.
+    let model = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
+        .map_err(|e| anyhow!("cannot build the character vocabulary: {e}"))?;
+    let mut tokenizer = Tokenizer::new(model);
+    tokenizer.with_decoder(Some(Fuse::new()));
+    let json = tokenizer
+        .to_string(true)
+        .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
+    crate::atomic_file::write_atomic(output, json.as_bytes())?;
+    Ok(chars.len())
 }

@@ -6,7 +6,7 @@
 
 use tch::{nn, Kind, Tensor};
 
-use super::hf_config::{Activation, Arch, EncoderConfig};
+use super::hf_config::{Activation, Arch, HfConfig};
 use super::layers::{
     activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
 };
@@ -34,7 +34,7 @@ pub struct BertEmbeddings {
 }
 
 impl BertEmbeddings {
-    fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    fn new(p: nn::Path, c: &HfConfig) -> Self {
         let r = c.initializer_range;
         let (positions, position_padding) = match c.arch {
             Arch::Roberta => (
@@ -115,7 +115,7 @@ struct BertLayer {
 }
 
 impl BertLayer {
-    fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    fn new(p: nn::Path, c: &HfConfig) -> Self {
         let (h, i, r) = (c.hidden_size, c.intermediate_size, c.initializer_range);
         let attn = &p / "attention";
         BertLayer {
@@ -167,7 +167,7 @@ pub struct BertEncoder {
 }
 
 impl BertEncoder {
-    pub fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    pub fn new(p: nn::Path, c: &HfConfig) -> Self {
         let layer_path = &p / "encoder" / "layer";
         BertEncoder {
             embeddings: BertEmbeddings::new(&p / "embeddings", c),
@@ -208,7 +208,7 @@ pub struct BertPooler {
 }
 
 impl BertPooler {
-    pub fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    pub fn new(p: nn::Path, c: &HfConfig) -> Self {
         BertPooler {
             dense: Linear::new(
                 &p / "dense",

@@ -4,7 +4,7 @@
 
 use tch::{nn, Kind, Tensor};
 
-use super::hf_config::{Activation, EncoderConfig};
+use super::hf_config::{Activation, HfConfig};
 use super::layers::{
     activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
 };
@@ -35,7 +35,7 @@ fn sinusoidal_table(n_pos: i64, dim: i64) -> Tensor {
 }
 
 impl DistilBertEmbeddings {
-    fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    fn new(p: nn::Path, c: &HfConfig) -> Self {
         let r = c.initializer_range;
         let position_embeddings = if c.sinusoidal_pos_embds {
             Embedding::frozen(
@@ -96,7 +96,7 @@ struct TransformerBlock {
 }
 
 impl TransformerBlock {
-    fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    fn new(p: nn::Path, c: &HfConfig) -> Self {
         let (h, i, r, eps) = (
             c.hidden_size,
             c.intermediate_size,
@@ -150,7 +150,7 @@ pub struct DistilBertEncoder {
 }
 
 impl DistilBertEncoder {
-    pub fn new(p: nn::Path, c: &EncoderConfig) -> Self {
+    pub fn new(p: nn::Path, c: &HfConfig) -> Self {
         let layer_path = &p / "transformer" / "layer";
         DistilBertEncoder {
             embeddings: DistilBertEmbeddings::new(&p / "embeddings", c),

@@ -1,7 +1,8 @@
-//! Hugging Face `config.json` for the encoder families we support, normalised into one struct.
+//! Hugging Face `config.json` for the model families we support, normalised into one struct.
 //!
 //! Defaults are those of the transformers config classes (BertConfig, DistilBertConfig,
-//! RobertaConfig), so a config.json that omits a key means what it means in transformers.
+//! RobertaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config), so a
+//! config.json that omits a key means what it means in transformers 5.23.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,6 +16,14 @@ pub enum Arch {
     Bert,
     DistilBert,
     Roberta,
+    Gpt2,
+    /// Llama 2/3.x, SmolLM2, TinyLlama.
+    Llama,
+    Mistral,
+    /// Llama with q/k/v biases.
+    Qwen2,
+    /// Llama with RMSNorm on each head's queries and keys.
+    Qwen3,
 }
 
 impl Arch {
@@ -24,7 +33,14 @@ impl Arch {
             Arch::Bert => "bert",
             Arch::DistilBert => "distilbert",
             Arch::Roberta => "roberta",
+            Arch::Gpt2 => "transformer",
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => "model",
         }
+    }
+
+    /// Causal language models (attention to earlier tokens only).
+    pub fn is_decoder(self) -> bool {
+        !matches!(self, Arch::Bert | Arch::DistilBert | Arch::Roberta)
     }
 
     /// Class-name stem used in messages, as in `BertForSequenceClassification`.
@@ -33,6 +49,11 @@ impl Arch {
             Arch::Bert => "Bert",
             Arch::DistilBert => "DistilBert",
             Arch::Roberta => "Roberta",
+            Arch::Gpt2 => "GPT2",
+            Arch::Llama => "Llama",
+            Arch::Mistral => "Mistral",
+            Arch::Qwen2 => "Qwen2",
+            Arch::Qwen3 => "Qwen3",
         }
     }
 
@@ -41,6 +62,10 @@ impl Arch {
         match self {
             Arch::Bert | Arch::Roberta => &["embeddings", "encoder", "pooler"],
             Arch::DistilBert => &["embeddings", "transformer"],
+            Arch::Gpt2 => &["wte", "wpe", "h", "ln_f"],
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+                &["embed_tokens", "layers", "norm"]
+            }
         }
     }
 }
@@ -111,9 +136,33 @@ impl ProblemType {
     }
 }
 
-/// One encoder configuration, whatever the family.
+/// Rotary position embeddings (`rope_parameters`, or the older `rope_theta` + `rope_scaling`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// `rope_type`: how the inverse frequencies are rescaled for longer contexts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: 1 / theta^(2i/D).
+    None,
+    /// `linear`: positions divided by `factor`.
+    Linear { factor: f64 },
+    /// `llama3` (Llama 3.1+): long wavelengths divided by `factor`, short ones kept, a smooth
+    /// ramp between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// One model configuration, whatever the family.
 #[derive(Debug, Clone)]
-pub struct EncoderConfig {
+pub struct HfConfig {
     pub arch: Arch,
     pub vocab_size: i64,
     pub hidden_size: i64,
@@ -141,11 +190,36 @@ pub struct EncoderConfig {
     pub id2label: BTreeMap<usize, String>,
     /// Explicit `problem_type`, if config.json has one.
     pub problem_type: Option<ProblemType>,
+    /// Key/value heads (grouped-query attention); `num_heads` for encoders.
+    pub num_kv_heads: i64,
+    /// Width of one attention head.
+    pub head_dim: i64,
+    /// Dropout on the embeddings' output.
+    pub embedding_dropout: f64,
+    /// Rotary positions (the Llama family); `None` for learned positions.
+    pub rope: Option<Rope>,
+    /// Biases on the query, key and value projections (Llama's `attention_bias`, Qwen2).
+    pub qkv_bias: bool,
+    /// Bias on the attention output projection.
+    pub output_bias: bool,
+    /// Biases on the gated MLP (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// RMSNorm on each head's queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Each token attends to at most this many tokens back (Mistral's `sliding_window`).
+    pub sliding_window: Option<i64>,
+    /// Tokens that end a generation (`eos_token_id`, one id or a list).
+    pub eos_token_ids: Vec<i64>,
+    /// `bos_token_id`, if the config names one.
+    pub bos_token_id: Option<i64>,
+    /// Whether config.json names a `pad_token_id` (decoders often have none; batches are then
+    /// padded with `pad_token_id` = the end-of-sequence id, or 0).
+    pub has_pad_token: bool,
     /// The file as read, kept so a saved config.json carries every key it came with.
     pub raw: serde_json::Value,
 }
 
-impl EncoderConfig {
+impl HfConfig {
     pub fn num_labels(&self) -> usize {
         self.id2label.len()
     }
@@ -211,7 +285,7 @@ impl EncoderConfig {
                         c.position_embedding_type
                     );
                 }
-                EncoderConfig {
+                HfConfig {
                     arch,
                     vocab_size: c.vocab_size,
                     hidden_size: c.hidden_size,
@@ -232,12 +306,12 @@ impl EncoderConfig {
                     tie_word_embeddings: true,
                     id2label: BTreeMap::new(),
                     problem_type: None,
-                    raw: serde_json::Value::Null,
+                    ..encoder_extras(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
                 }
             }
             "distilbert" => {
                 let c: DistilBertKeys = serde_json::from_value(raw.clone())?;
-                EncoderConfig {
+                HfConfig {
                     arch: Arch::DistilBert,
                     vocab_size: c.vocab_size,
                     hidden_size: c.dim,
@@ -259,15 +333,50 @@ impl EncoderConfig {
                     tie_word_embeddings: true,
                     id2label: BTreeMap::new(),
                     problem_type: None,
-                    raw: serde_json::Value::Null,
+                    ..encoder_extras(c.dim, c.n_heads, c.dropout)
                 }
             }
+            "gpt2" => gpt2_config(serde_json::from_value(raw.clone())?)?,
+            "llama" | "mistral" | "qwen2" | "qwen3" => {
+                llama_config(&model_type, serde_json::from_value(raw.clone())?, &raw)?
+            }
             other => {
-                bail!("unsupported model_type {other:?} (supported: bert, distilbert, roberta)")
+                bail!("unsupported model_type {other:?} (supported: {SUPPORTED_MODEL_TYPES})")
             }
         };
         cfg.id2label = common.id2label()?;
-        cfg.tie_word_embeddings = common.tie_word_embeddings.unwrap_or(true);
+        // Encoders and GPT-2 tie by default, the Llama family does not.
+        cfg.tie_word_embeddings = common.tie_word_embeddings.unwrap_or(matches!(
+            cfg.arch,
+            Arch::Bert | Arch::DistilBert | Arch::Roberta | Arch::Gpt2
+        ));
+        if cfg.arch.is_decoder() {
+            // A key left out means the family's default; a null means none.
+            let (bos_default, eos_default) = match cfg.arch {
+                Arch::Gpt2 => (Some(50256), Some(50256)),
+                Arch::Llama | Arch::Mistral => (Some(1), Some(2)),
+                _ => (None, None),
+            };
+            cfg.bos_token_id = match raw.get("bos_token_id") {
+                None => bos_default,
+                Some(_) => common.bos_token_id,
+            };
+            cfg.eos_token_ids = match &common.eos_token_id {
+                _ if raw.get("eos_token_id").is_none() => eos_default.into_iter().collect(),
+                Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
+                Some(serde_json::Value::Array(ids)) => {
+                    ids.iter().filter_map(|v| v.as_i64()).collect()
+                }
+                _ => Vec::new(),
+            };
+            // Batches of a decoder without a pad token are padded with end-of-sequence (as
+            // transformers' examples set `tokenizer.pad_token = tokenizer.eos_token`), else 0.
+            cfg.has_pad_token = common.pad_token_id.is_some();
+            cfg.pad_token_id = common
+                .pad_token_id
+                .or(cfg.eos_token_ids.first().copied())
+                .unwrap_or(0);
+        }
         cfg.problem_type = common
             .problem_type
             .as_deref()
@@ -304,14 +413,201 @@ impl EncoderConfig {
                 self.pad_token_id
             );
         }
+        if self.num_kv_heads <= 0 || self.num_heads % self.num_kv_heads != 0 {
+            bail!(
+                "num_key_value_heads {} does not divide the number of attention heads {}",
+                self.num_kv_heads,
+                self.num_heads
+            );
+        }
+        if self.head_dim <= 0 || (self.rope.is_some() && self.head_dim % 2 != 0) {
+            bail!(
+                "head_dim {} must be positive (and even with RoPE)",
+                self.head_dim
+            );
+        }
         Ok(())
     }
+}
+
+/// The `model_type`s sprtrain builds, for messages.
+pub const SUPPORTED_MODEL_TYPES: &str =
+    "bert, distilbert, roberta, gpt2, llama, mistral, qwen2, qwen3";
+
+/// The fields an encoder family does not set itself.
+fn encoder_extras(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
+    HfConfig {
+        arch: Arch::Bert,
+        vocab_size: 0,
+        hidden_size: hidden,
+        num_layers: 0,
+        num_heads: heads,
+        intermediate_size: 0,
+        activation: Activation::Gelu,
+        hidden_dropout: dropout,
+        attention_dropout: 0.0,
+        max_position_embeddings: 0,
+        type_vocab_size: 0,
+        layer_norm_eps: 0.0,
+        pad_token_id: 0,
+        initializer_range: 0.0,
+        classifier_dropout: 0.0,
+        qa_dropout: 0.0,
+        sinusoidal_pos_embds: false,
+        tie_word_embeddings: true,
+        id2label: BTreeMap::new(),
+        problem_type: None,
+        num_kv_heads: heads,
+        head_dim: if heads > 0 { hidden / heads } else { 0 },
+        embedding_dropout: dropout,
+        rope: None,
+        qkv_bias: true,
+        output_bias: true,
+        mlp_bias: true,
+        qk_norm: false,
+        sliding_window: None,
+        eos_token_ids: Vec::new(),
+        bos_token_id: None,
+        has_pad_token: true,
+        raw: serde_json::Value::Null,
+    }
+}
+
+/// `GPT2Config`.
+fn gpt2_config(c: Gpt2Keys) -> Result<HfConfig> {
+    if !c.scale_attn_weights || c.scale_attn_by_inverse_layer_idx || c.reorder_and_upcast_attn {
+        bail!("GPT-2 attention variants (scale_attn_weights false, scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn) are not supported");
+    }
+    if c.add_cross_attention {
+        bail!("GPT-2 with cross-attention (add_cross_attention) is not supported");
+    }
+    let heads = c.n_head;
+    Ok(HfConfig {
+        arch: Arch::Gpt2,
+        vocab_size: c.vocab_size,
+        num_layers: c.n_layer,
+        intermediate_size: c.n_inner.unwrap_or(4 * c.n_embd),
+        activation: Activation::parse(&c.activation_function)?,
+        attention_dropout: c.attn_pdrop,
+        max_position_embeddings: c.n_positions,
+        layer_norm_eps: c.layer_norm_epsilon,
+        initializer_range: c.initializer_range,
+        classifier_dropout: 0.0,
+        embedding_dropout: c.embd_pdrop,
+        ..encoder_extras(c.n_embd, heads, c.resid_pdrop)
+    })
+}
+
+/// `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`: one decoder with switches.
+fn llama_config(model_type: &str, c: LlamaKeys, raw: &serde_json::Value) -> Result<HfConfig> {
+    let arch = match model_type {
+        "llama" => Arch::Llama,
+        "mistral" => Arch::Mistral,
+        "qwen2" => Arch::Qwen2,
+        _ => Arch::Qwen3,
+    };
+    // The family defaults that differ from Llama's.
+    let (intermediate, positions, kv_default) = match arch {
+        Arch::Mistral => (14336, 131072, Some(8)),
+        Arch::Qwen2 | Arch::Qwen3 => (22016, 32768, None),
+        _ => (11008, 2048, None),
+    };
+    let hidden = c.hidden_size.unwrap_or(4096);
+    let heads = c.num_attention_heads.unwrap_or(32);
+    if heads <= 0 {
+        bail!("num_attention_heads must be positive, got {heads}");
+    }
+    let head_dim = match (arch, c.head_dim) {
+        (_, Some(d)) => d,
+        (Arch::Qwen3, None) => 128,
+        _ => hidden / heads,
+    };
+    let sliding_window = match arch {
+        Arch::Mistral => match raw.get("sliding_window") {
+            None => Some(4096),
+            Some(v) => v.as_i64(),
+        },
+        Arch::Qwen2 | Arch::Qwen3 if c.use_sliding_window => {
+            bail!("use_sliding_window is not supported for {model_type}")
+        }
+        _ => None,
+    };
+    let attention_bias = c.attention_bias && matches!(arch, Arch::Llama | Arch::Qwen3);
+    Ok(HfConfig {
+        arch,
+        vocab_size: c
+            .vocab_size
+            .unwrap_or(if matches!(arch, Arch::Qwen2 | Arch::Qwen3) {
+                151936
+            } else {
+                32000
+            }),
+        num_layers: c.num_hidden_layers.unwrap_or(32),
+        intermediate_size: c.intermediate_size.unwrap_or(intermediate),
+        activation: Activation::parse(&c.hidden_act)?,
+        attention_dropout: c.attention_dropout,
+        max_position_embeddings: c.max_position_embeddings.unwrap_or(positions),
+        layer_norm_eps: c.rms_norm_eps,
+        initializer_range: c.initializer_range,
+        classifier_dropout: 0.0,
+        num_kv_heads: c.num_key_value_heads.or(kv_default).unwrap_or(heads),
+        head_dim,
+        embedding_dropout: 0.0,
+        rope: Some(rope(raw, c.max_position_embeddings.unwrap_or(positions))?),
+        qkv_bias: attention_bias || arch == Arch::Qwen2,
+        output_bias: attention_bias,
+        mlp_bias: c.mlp_bias && arch == Arch::Llama,
+        qk_norm: arch == Arch::Qwen3,
+        sliding_window,
+        ..encoder_extras(hidden, heads, 0.0)
+    })
+}
+
+/// RoPE parameters as transformers 5 standardises them: `rope_scaling` (older files) wins over
+/// `rope_parameters`; `rope_theta` may sit at the top level.
+fn rope(raw: &serde_json::Value, max_positions: i64) -> Result<Rope> {
+    let params = raw
+        .get("rope_scaling")
+        .filter(|v| v.is_object())
+        .or_else(|| raw.get("rope_parameters").filter(|v| v.is_object()));
+    let num =
+        |key: &str| -> Option<f64> { params.and_then(|p| p.get(key)).and_then(|v| v.as_f64()) };
+    let theta = num("rope_theta")
+        .or_else(|| raw.get("rope_theta").and_then(|v| v.as_f64()))
+        .unwrap_or(10000.0);
+    if num("partial_rotary_factor").is_some_and(|f| f != 1.0) {
+        bail!("partial_rotary_factor is not supported");
+    }
+    let rope_type = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let need =
+        |key: &str| num(key).with_context(|| format!("rope_type {rope_type:?} needs \"{key}\""));
+    let scaling = match rope_type {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: need("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")
+                .unwrap_or(max_positions as f64),
+        },
+        other => bail!("rope_type {other:?} is not supported (supported: default, linear, llama3)"),
+    };
+    Ok(Rope { theta, scaling })
 }
 
 /// Keys every transformers config shares.
 #[derive(Deserialize)]
 struct CommonKeys {
     pad_token_id: Option<i64>,
+    bos_token_id: Option<i64>,
+    /// One id or a list of ids.
+    eos_token_id: Option<serde_json::Value>,
     problem_type: Option<String>,
     #[serde(default)]
     id2label: Option<BTreeMap<String, String>>,
@@ -386,6 +682,93 @@ impl Default for BertKeys {
 
 #[derive(Deserialize)]
 #[serde(default)]
+struct Gpt2Keys {
+    vocab_size: i64,
+    n_positions: i64,
+    n_embd: i64,
+    n_layer: i64,
+    n_head: i64,
+    n_inner: Option<i64>,
+    activation_function: String,
+    resid_pdrop: f64,
+    embd_pdrop: f64,
+    attn_pdrop: f64,
+    layer_norm_epsilon: f64,
+    initializer_range: f64,
+    scale_attn_weights: bool,
+    scale_attn_by_inverse_layer_idx: bool,
+    reorder_and_upcast_attn: bool,
+    add_cross_attention: bool,
+}
+
+impl Default for Gpt2Keys {
+    fn default() -> Self {
+        Gpt2Keys {
+            vocab_size: 50257,
+            n_positions: 1024,
+            n_embd: 768,
+            n_layer: 12,
+            n_head: 12,
+            n_inner: None,
+            activation_function: "gelu_new".into(),
+            resid_pdrop: 0.1,
+            embd_pdrop: 0.1,
+            attn_pdrop: 0.1,
+            layer_norm_epsilon: 1e-5,
+            initializer_range: 0.02,
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+            reorder_and_upcast_attn: false,
+            add_cross_attention: false,
+        }
+    }
+}
+
+/// The Llama family's keys; `None` where the families' defaults differ.
+#[derive(Deserialize)]
+#[serde(default)]
+struct LlamaKeys {
+    vocab_size: Option<i64>,
+    hidden_size: Option<i64>,
+    intermediate_size: Option<i64>,
+    num_hidden_layers: Option<i64>,
+    num_attention_heads: Option<i64>,
+    num_key_value_heads: Option<i64>,
+    head_dim: Option<i64>,
+    hidden_act: String,
+    max_position_embeddings: Option<i64>,
+    initializer_range: f64,
+    rms_norm_eps: f64,
+    attention_bias: bool,
+    attention_dropout: f64,
+    mlp_bias: bool,
+    use_sliding_window: bool,
+}
+
+impl Default for LlamaKeys {
+    fn default() -> Self {
+        LlamaKeys {
+            vocab_size: None,
+            hidden_size: None,
+            intermediate_size: None,
+            num_hidden_layers: None,
+            num_attention_heads: None,
+            num_key_value_heads: None,
+            head_dim: None,
+            hidden_act: "silu".into(),
+            max_position_embeddings: None,
+            initializer_range: 0.02,
+            rms_norm_eps: 1e-6,
+            attention_bias: false,
+            attention_dropout: 0.0,
+            mlp_bias: false,
+            use_sliding_window: false,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(default)]
 struct DistilBertKeys {
     vocab_size: i64,
     max_position_embeddings: i64,
@@ -428,7 +811,7 @@ mod tests {
 
     #[test]
     fn distilbert_defaults_match_transformers() {
-        let c = EncoderConfig::from_json_str(r#"{"model_type":"distilbert"}"#).unwrap();
+        let c = HfConfig::from_json_str(r#"{"model_type":"distilbert"}"#).unwrap();
         assert_eq!(
             (
                 c.hidden_size,
@@ -445,7 +828,7 @@ mod tests {
 
     #[test]
     fn roberta_pads_with_one_and_labels_come_from_id2label() {
-        let c = EncoderConfig::from_json_str(
+        let c = HfConfig::from_json_str(
             r#"{"model_type":"roberta","id2label":{"0":"neg","1":"neu","2":"pos"},"num_labels":7}"#,
         )
         .unwrap();
@@ -457,15 +840,84 @@ mod tests {
     #[test]
     fn rejects_bad_shapes_and_types() {
         let err =
-            EncoderConfig::from_json_str(r#"{"model_type":"bert","hidden_size":100}"#).unwrap_err();
+            HfConfig::from_json_str(r#"{"model_type":"bert","hidden_size":100}"#).unwrap_err();
         assert!(format!("{err:#}").contains("not a multiple"), "{err:#}");
-        let err = EncoderConfig::from_json_str(r#"{"model_type":"bert","hidden_size":"big"}"#)
-            .unwrap_err();
+        let err =
+            HfConfig::from_json_str(r#"{"model_type":"bert","hidden_size":"big"}"#).unwrap_err();
         assert!(format!("{err:#}").contains("invalid type"), "{err:#}");
-        let err = EncoderConfig::from_json_str(r#"{"model_type":"gpt2"}"#).unwrap_err();
+        let err = HfConfig::from_json_str(r#"{"model_type":"t5"}"#).unwrap_err();
         assert!(
-            format!("{err:#}").contains("unsupported model_type \"gpt2\""),
+            format!("{err:#}").contains("unsupported model_type \"t5\""),
             "{err:#}"
+        );
+        let err = HfConfig::from_json_str(
+            r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":8,"num_key_value_heads":3}"#,
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("does not divide"), "{err:#}");
+        let err = HfConfig::from_json_str(
+            r#"{"model_type":"llama","rope_scaling":{"rope_type":"yarn","factor":4.0}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("rope_type \"yarn\" is not supported"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn decoder_configs_follow_each_familys_defaults() {
+        let c = HfConfig::from_json_str(r#"{"model_type":"gpt2"}"#).unwrap();
+        assert_eq!(
+            (
+                c.hidden_size,
+                c.intermediate_size,
+                c.max_position_embeddings
+            ),
+            (768, 3072, 1024)
+        );
+        assert_eq!(
+            (c.activation, c.layer_norm_eps),
+            (Activation::GeluTanh, 1e-5)
+        );
+        assert!(c.tie_word_embeddings && !c.has_pad_token);
+        // No pad token: batches are padded with end-of-sequence.
+        assert_eq!(
+            (c.pad_token_id, c.eos_token_ids.as_slice()),
+            (50256, &[50256][..])
+        );
+        let m = HfConfig::from_json_str(r#"{"model_type":"mistral"}"#).unwrap();
+        assert_eq!(
+            (m.num_kv_heads, m.head_dim, m.sliding_window),
+            (8, 128, Some(4096))
+        );
+        assert!(!m.tie_word_embeddings && !m.qkv_bias);
+        let q2 = HfConfig::from_json_str(r#"{"model_type":"qwen2"}"#).unwrap();
+        assert!(q2.qkv_bias && !q2.output_bias && q2.sliding_window.is_none());
+        let q3 = HfConfig::from_json_str(
+            r#"{"model_type":"qwen3","hidden_size":1024,"num_attention_heads":16}"#,
+        )
+        .unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias);
+        assert_eq!(q3.head_dim, 128);
+        // Llama 3.1's rope_scaling, the pre-v5 way, and a list of end-of-sequence ids.
+        let l = HfConfig::from_json_str(
+            r#"{"model_type":"llama","rope_theta":500000.0,"eos_token_id":[128001,128009],"vocab_size":128256,
+                "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        )
+        .unwrap();
+        assert_eq!(l.eos_token_ids, [128001, 128009]);
+        assert_eq!(
+            l.rope,
+            Some(Rope {
+                theta: 500000.0,
+                scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0
+                }
+            })
         );
     }
 }

@@ -43,7 +43,7 @@ pub fn seeded_dropout(x: &Tensor, p: f64, seed: i64) -> Tensor {
 }
 
 /// Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where `key_mask` (B, 1,
-/// 1, T) is true, with dropout on the probabilities: element i of the (B, H, T, T)
+/// 1, T), or per query (B, 1, T, T), is true, with dropout on the probabilities: element i of the (B, H, T, T)
 /// probabilities is dropped exactly where `seeded_dropout` with the same seed drops element i
 /// of a (B, H, T, T) tensor. Backward recomputes the probabilities. Returns (B, H, T, D).
 pub fn seeded_attention(
@@ -149,23 +149,35 @@ pub fn autocast(kind: Option<Kind>) -> AutocastGuard {
     AutocastGuard(AUTOCAST.with(|a| a.replace(kind)))
 }
 
+/// The compute dtype of matrix products in force on this thread, if lower than fp32.
+pub fn autocast_kind() -> Option<Kind> {
+    AUTOCAST.with(Cell::get)
+}
+
 /// `x @ w.T + b`, in the autocast dtype when one is in force.
-pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
-    match AUTOCAST.with(Cell::get) {
-        Some(k) => x.to_kind(k).linear(&w.to_kind(k), Some(&b.to_kind(k))),
-        None => x.linear(w, Some(b)),
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    match autocast_kind() {
+        Some(k) => x
+            .to_kind(k)
+            .linear(&w.to_kind(k), b.map(|b| b.to_kind(k)).as_ref()),
+        None => x.linear(w, b),
     }
 }
 
 /// `torch.nn.Linear`, initialised as transformers' `_init_weights` does (normal(0, range), zero bias).
 #[derive(Debug)]
 pub struct Linear {
-    pub weight: Tensor, // (out, in)
-    pub bias: Tensor,   // (out)
+    pub weight: Tensor,       // (out, in)
+    pub bias: Option<Tensor>, // (out)
 }
 
 impl Linear {
     pub fn new(p: nn::Path, in_dim: i64, out_dim: i64, init_range: f64) -> Self {
+        Self::with_bias(p, in_dim, out_dim, init_range, true)
+    }
+
+    /// `nn.Linear(in, out, bias=bias)`.
+    pub fn with_bias(p: nn::Path, in_dim: i64, out_dim: i64, init_range: f64, bias: bool) -> Self {
         let weight = p.var(
             "weight",
             &[out_dim, in_dim],
@@ -174,12 +186,62 @@ impl Linear {
                 stdev: init_range,
             },
         );
-        let bias = p.var("bias", &[out_dim], Init::Const(0.0));
+        let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
         Linear { weight, bias }
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        linear(x, &self.weight, &self.bias)
+        linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// GPT-2's `Conv1D`: a linear layer whose weight is stored (in, out), transposed from
+/// `nn.Linear`'s.
+#[derive(Debug)]
+pub struct Conv1D {
+    pub weight: Tensor, // (in, out)
+    pub bias: Tensor,   // (out)
+}
+
+impl Conv1D {
+    pub fn new(p: nn::Path, in_dim: i64, out_dim: i64, init_std: f64) -> Self {
+        let weight = p.var(
+            "weight",
+            &[in_dim, out_dim],
+            Init::Randn {
+                mean: 0.0,
+                stdev: init_std,
+            },
+        );
+        let bias = p.var("bias", &[out_dim], Init::Const(0.0));
+        Conv1D { weight, bias }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        linear(x, &self.weight.tr(), Some(&self.bias))
+    }
+}
+
+/// `LlamaRMSNorm` (and Mistral's, Qwen's): x / sqrt(mean(x^2) + eps) * weight, over the last
+/// dimension, in fp32.
+#[derive(Debug)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+        let weight = p.var("weight", &[dim], Init::Const(1.0));
+        RmsNorm { weight, eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let x = x.to_kind(Kind::Float);
+        let variance = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = x * (variance + self.eps).rsqrt();
+        &self.weight * normed.to_kind(kind)
     }
 }
 
@@ -188,10 +250,15 @@ impl Linear {
 /// against 155-190 GFLOP/s). The weights stay three parameters with their HF names; the
 /// concatenation costs a 3 C^2 copy per call. Returns three (B, T, C) views.
 pub fn qkv_projection(x: &Tensor, q: &Linear, k: &Linear, v: &Linear) -> (Tensor, Tensor, Tensor) {
-    let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0); // (3C, C)
-    let b = Tensor::cat(&[&q.bias, &k.bias, &v.bias], 0); // (3C)
-    let qkv = linear(x, &w, &b); // (B, T, 3C)
-    let parts = qkv.chunk(3, -1);
+    let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0); // (Q + 2K, C)
+    let biases: Option<Vec<&Tensor>> = [&q.bias, &k.bias, &v.bias]
+        .iter()
+        .map(|b| b.as_ref())
+        .collect();
+    let b = biases.map(|b| Tensor::cat(&b, 0)); // (Q + 2K)
+    let qkv = linear(x, &w, b.as_ref()); // (B, T, Q + 2K)
+    let sizes = [q.weight.size()[0], k.weight.size()[0], v.weight.size()[0]];
+    let parts = qkv.split_with_sizes(sizes, -1);
     (
         parts[0].shallow_clone(),
         parts[1].shallow_clone(),
@@ -342,4 +409,138 @@ pub fn multi_head_attention(
         )
     }; // (B, H, T, D)
     ctx.transpose(1, 2).contiguous().view([b, t, c])
+}
+
+/// Which keys each query of a decoder may attend to.
+#[derive(Debug)]
+pub enum CausalMask {
+    /// Keys up to the query's own position: no padding, no window.
+    Causal,
+    /// Every key: one new query after cached keys, in generation.
+    All,
+    /// (B, 1, T, T) booleans, true where attended: causal and padding (and window) together.
+    Explicit(Tensor),
+}
+
+impl CausalMask {
+    /// The mask of a (B, T) batch: plain causal when nothing is padded and no window cuts in;
+    /// else causal, key padding and the sliding window of `window` tokens (`None`: no window).
+    pub fn new(attention_mask: &Tensor, window: Option<i64>) -> Self {
+        let (b, t) = attention_mask.size2().expect("attention mask is (B, T)");
+        let padded = attention_mask.eq(0).any().int64_value(&[]) != 0;
+        let windowed = window.is_some_and(|w| t > w);
+        if !padded && !windowed {
+            return CausalMask::Causal;
+        }
+        let device = attention_mask.device();
+        let pos = Tensor::arange(t, (Kind::Int64, device));
+        let query = pos.view([t, 1]);
+        let key = pos.view([1, t]);
+        let mut allowed = key.le_tensor(&query); // (T, T)
+        if let Some(w) = window.filter(|_| windowed) {
+            // transformers' sliding window: key > query - window.
+            allowed = allowed.logical_and(&key.gt_tensor(&(&query - w)));
+        }
+        let keys = attention_mask.ne(0).view([b, 1, 1, t]);
+        CausalMask::Explicit(allowed.view([1, 1, t, t]).logical_and(&keys))
+    }
+
+    /// The mask of `t` new queries after `cached` cached positions (generation, no padding).
+    pub fn after_cache(cached: i64, t: i64, device: tch::Device) -> Self {
+        match (cached, t) {
+            (0, _) => CausalMask::Causal,
+            (_, 1) => CausalMask::All,
+            _ => {
+                let query = Tensor::arange_start(cached, cached + t, (Kind::Int64, device));
+                let key = Tensor::arange(cached + t, (Kind::Int64, device));
+                let allowed = key.view([1, -1]).le_tensor(&query.view([-1, 1]));
+                CausalMask::Explicit(allowed.view([1, 1, t, cached + t]))
+            }
+        }
+    }
+}
+
+/// Grouped-query attention of (B, H, T, D) queries over (B, KV, Tk, D) keys and values (each
+/// key/value head serves H / KV query heads), masked by `mask`, scaled by 1/sqrt(D), with dropout on
+/// the probabilities in training. Returns (B, T, H * D).
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &CausalMask,
+    dropout_p: f64,
+    train: bool,
+) -> Tensor {
+    let (b, h, t, d) = q.size4().expect("queries are (B, H, T, D)");
+    let (kv, tk) = (k.size()[1], k.size()[2]);
+    // Each key/value head repeated for its group of query heads, as transformers' repeat_kv.
+    let repeat = |x: &Tensor| {
+        if kv == h {
+            x.shallow_clone()
+        } else {
+            x.unsqueeze(2)
+                .expand([b, kv, h / kv, tk, d], false)
+                .reshape([b, h, tk, d])
+        }
+    };
+    let (mut q, mut k, mut v) = (q.shallow_clone(), repeat(k), repeat(v));
+    // Attention runs in the autocast dtype, as under torch.autocast (Qwen3's q/k norms return
+    // fp32).
+    if let Some(kind) = autocast_kind() {
+        (q, k, v) = (q.to_kind(kind), k.to_kind(kind), v.to_kind(kind));
+    }
+    let q = &q;
+    let ctx = if train && dropout_p > 0.0 {
+        let full = match mask {
+            CausalMask::Explicit(m) => m.shallow_clone(),
+            CausalMask::Causal => {
+                let ones = Tensor::ones([t, t], (Kind::Bool, q.device()));
+                ones.tril(0).view([1, 1, t, t]).expand([b, 1, t, t], false)
+            }
+            CausalMask::All => Tensor::ones([b, 1, 1, k.size()[2]], (Kind::Bool, q.device())),
+        };
+        seeded_attention(q, &k, &v, &full, dropout_p, next_dropout_seed())
+    } else {
+        match mask {
+            CausalMask::Causal => Tensor::scaled_dot_product_attention::<Tensor>(
+                q, &k, &v, None, 0.0, true, None, false,
+            ),
+            CausalMask::All => Tensor::scaled_dot_product_attention::<Tensor>(
+                q, &k, &v, None, 0.0, false, None, false,
+            ),
+            CausalMask::Explicit(m) => {
+                Tensor::scaled_dot_product_attention(q, &k, &v, Some(m), 0.0, false, None, false)
+            }
+        }
+    }; // (B, H, T, D)
+    ctx.transpose(1, 2).contiguous().view([b, t, h * d])
+}
+
+/// Keys and values of the positions already seen, per layer, so that generation runs each new
+/// token alone.
+#[derive(Debug)]
+pub struct KvCache {
+    /// Per layer, (B, KV, T, D) keys and values.
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Positions cached so far.
+    pub len: i64,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        KvCache {
+            layers: (0..num_layers).map(|_| None).collect(),
+            len: 0,
+        }
+    }
+
+    /// Appends this pass's (B, KV, T, D) keys and values of `layer`; returns all of them.
+    pub fn extend(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        let merged = match self.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
+        merged
+    }
 }

@@ -1,13 +1,16 @@
-//! Hugging Face encoder models in libtorch: BERT, DistilBERT and RoBERTa backbones with the
-//! task heads of transformers' `*ForSequenceClassification`, `*ForQuestionAnswering` and
-//! `*ForMaskedLM`. Variable paths in the `VarStore` are the transformers state-dict keys.
+//! Hugging Face models in libtorch: BERT, DistilBERT and RoBERTa encoders and GPT-2 and
+//! Llama-family decoders, with the task heads of transformers' `*ForSequenceClassification`,
+//! `*ForQuestionAnswering`, `*ForMaskedLM` and `*ForCausalLM`. Variable paths in the
+//! `VarStore` are the transformers state-dict keys.
 //!
 //! Models know nothing of MPI, data files or training: they map token ids to outputs and losses.
 
 pub mod bert;
 pub mod distilbert;
+pub mod gpt2;
 pub mod hf_config;
 pub mod layers;
+pub mod llama;
 pub mod weights;
 
 use anyhow::{bail, Result};
@@ -15,8 +18,11 @@ use tch::{nn, Reduction, Tensor};
 
 use bert::{BertEncoder, BertPooler};
 use distilbert::DistilBertEncoder;
-pub use hf_config::{Activation, Arch, EncoderConfig, ProblemType};
+use gpt2::Gpt2Model;
+pub use hf_config::{Activation, Arch, HfConfig, ProblemType};
+pub use layers::KvCache;
 use layers::{activate, dropout, LayerNorm, Linear};
+use llama::LlamaModel;
 
 /// Which transformers head sits on the backbone (`BertModel`, `BertForQuestionAnswering`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +32,8 @@ pub enum Head {
     SequenceClassification,
     QuestionAnswering,
     MaskedLm,
+    /// Next-token prediction (`*ForCausalLM`, GPT-2's `LMHeadModel`).
+    CausalLm,
 }
 
 impl Head {
@@ -35,6 +43,7 @@ impl Head {
             Head::SequenceClassification => "ForSequenceClassification",
             Head::QuestionAnswering => "ForQuestionAnswering",
             Head::MaskedLm => "ForMaskedLM",
+            Head::CausalLm => "ForCausalLM",
         }
     }
 }
@@ -60,7 +69,8 @@ pub enum Labels {
     Values(Tensor),
     /// (B) start and end token positions, question answering.
     Spans { start: Tensor, end: Tensor },
-    /// (B, T) token ids, -100 where no prediction is scored, masked LM.
+    /// (B, T) token ids, -100 where no prediction is scored: masked LM, and causal LM (where
+    /// the model shifts them: position t's logits predict label t + 1).
     Tokens(Tensor),
 }
 
@@ -117,6 +127,8 @@ enum Backbone {
         pooler: Option<BertPooler>,
     },
     DistilBert(DistilBertEncoder),
+    Gpt2(Gpt2Model),
+    Llama(LlamaModel),
 }
 
 impl Backbone {
@@ -124,6 +136,8 @@ impl Backbone {
         match self {
             Backbone::Bert { encoder, .. } => encoder.embeddings.word_embeddings(),
             Backbone::DistilBert(e) => e.embeddings.word_embeddings(),
+            Backbone::Gpt2(m) => m.word_embeddings(),
+            Backbone::Llama(m) => m.word_embeddings(),
         }
     }
 }
@@ -144,6 +158,9 @@ enum ClassifierHead {
         out_proj: Linear,
         dropout: f64,
     },
+    /// Decoders' `*ForSequenceClassification`: `score` (no bias) on the last token that is not
+    /// padding (the rightmost token whose id differs from `pad_token_id`).
+    LastToken { score: Linear, pad_token_id: i64 },
 }
 
 /// The masked-LM transform shared by the three families, with names that differ:
@@ -162,13 +179,20 @@ struct MlmHead {
 enum HeadLayers {
     None,
     Classifier(ClassifierHead),
-    Qa { qa_outputs: Linear, dropout: f64 },
+    Qa {
+        qa_outputs: Linear,
+        dropout: f64,
+    },
     Mlm(MlmHead),
+    /// `lm_head` (no bias): its own (V, C) weight, or the word embeddings when tied.
+    CausalLm {
+        untied: Option<Tensor>,
+    },
 }
 
 /// A transformers `*Model` / `*For*` class: one backbone and one head.
 pub struct TaskModel {
-    pub config: EncoderConfig,
+    pub config: HfConfig,
     pub head: Head,
     backbone: Backbone,
     head_layers: HeadLayers,
@@ -177,8 +201,19 @@ pub struct TaskModel {
 impl TaskModel {
     /// Creates the variables under `root`, newly initialised as transformers initialises them.
     /// Load a checkpoint over them with [`weights::load_checkpoint`].
-    pub fn new(root: &nn::Path, config: EncoderConfig, head: Head) -> Self {
+    pub fn new(root: &nn::Path, config: HfConfig, head: Head) -> Result<Self> {
         let c = &config;
+        match (c.arch.is_decoder(), head) {
+            (true, Head::MaskedLm) => bail!(
+                "{} is a causal language model: it has no masked-LM head (model.task \"mlm\")",
+                c.arch.class_stem()
+            ),
+            (false, Head::CausalLm) => bail!(
+                "{} is an encoder: it has no causal-LM head (model.task \"causal-lm\" needs gpt2, llama, mistral, qwen2 or qwen3)",
+                c.arch.class_stem()
+            ),
+            _ => {}
+        }
         let r = c.initializer_range;
         let h = c.hidden_size;
         // Task models keep the backbone under `bert.` / `distilbert.` / `roberta.`.
@@ -200,6 +235,10 @@ impl TaskModel {
                 }
             }
             Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
+            Arch::Gpt2 => Backbone::Gpt2(Gpt2Model::new(bb, c)),
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+                Backbone::Llama(LlamaModel::new(bb, c))
+            }
         };
         let n = c.num_labels() as i64;
         let head_layers = match head {
@@ -219,7 +258,23 @@ impl TaskModel {
                     out_proj: Linear::new(root / "classifier" / "out_proj", h, n, r),
                     dropout: c.classifier_dropout,
                 },
+                _ => ClassifierHead::LastToken {
+                    score: Linear::with_bias(root / "score", h, n, r, false),
+                    pad_token_id: c.pad_token_id,
+                },
             }),
+            Head::CausalLm => HeadLayers::CausalLm {
+                untied: (!c.tie_word_embeddings).then(|| {
+                    root.sub("lm_head").var(
+                        "weight",
+                        &[c.vocab_size, h],
+                        nn::Init::Randn {
+                            mean: 0.0,
+                            stdev: r,
+                        },
+                    )
+                }),
+            },
             Head::QuestionAnswering => HeadLayers::Qa {
                 qa_outputs: Linear::new(root / "qa_outputs", h, 2, r),
                 dropout: c.qa_dropout,
@@ -257,6 +312,7 @@ impl TaskModel {
                             Activation::Gelu,
                         )
                     }
+                    _ => unreachable!("decoders were refused a masked-LM head above"),
                 };
                 let v = c.vocab_size;
                 let head_bias = bias.zeros("bias", &[v]);
@@ -288,16 +344,19 @@ impl TaskModel {
                 })
             }
         };
-        TaskModel {
+        Ok(TaskModel {
             config,
             head,
             backbone,
             head_layers,
-        }
+        })
     }
 
     /// The transformers class this model mirrors, e.g. `BertForQuestionAnswering`.
     pub fn class_name(&self) -> String {
+        if (self.config.arch, self.head) == (Arch::Gpt2, Head::CausalLm) {
+            return "GPT2LMHeadModel".into();
+        }
         format!(
             "{}{}",
             self.config.arch.class_stem(),
@@ -327,10 +386,13 @@ impl TaskModel {
         let layers = self.config.num_layers as usize;
         let prefix = format!("{}.", self.config.arch.prefix());
         let rest = name.strip_prefix(&prefix).unwrap_or(name);
-        if rest.starts_with("embeddings.") {
+        if ["embeddings.", "wte.", "wpe.", "embed_tokens."]
+            .iter()
+            .any(|e| rest.starts_with(e))
+        {
             return layers + 1;
         }
-        let layer = ["encoder.layer.", "transformer.layer."]
+        let layer = ["encoder.layer.", "transformer.layer.", "h.", "layers."]
             .iter()
             .find_map(|p| rest.strip_prefix(p))
             .and_then(|r| r.split('.').next())
@@ -373,6 +435,8 @@ impl TaskModel {
                 (hidden, pooled)
             }
             Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries), None),
+            Backbone::Gpt2(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::Llama(m) => (m.forward_staged(inputs, train, boundaries), None),
         };
         let logits = match &self.head_layers {
             HeadLayers::None => hidden.shallow_clone(),
@@ -402,6 +466,20 @@ impl TaskModel {
                         let x = dense.forward(&dropout(&first, *p, train)).tanh();
                         out_proj.forward(&dropout(&x, *p, train))
                     }
+                    ClassifierHead::LastToken {
+                        score,
+                        pad_token_id,
+                    } => {
+                        // Scoring every position then picking one, as transformers does.
+                        let logits = score.forward(&hidden); // (B, T, L)
+                        let ids = &inputs.input_ids;
+                        let t = ids.size()[1];
+                        let positions = Tensor::arange(t, (tch::Kind::Int64, ids.device()));
+                        let last = (positions * ids.ne(*pad_token_id).to_kind(tch::Kind::Int64))
+                            .argmax(-1, false); // (B)
+                        let rows = Tensor::arange(ids.size()[0], (tch::Kind::Int64, ids.device()));
+                        logits.index(&[Some(rows), Some(last)])
+                    }
                 }
             }
             HeadLayers::Qa {
@@ -416,10 +494,41 @@ impl TaskModel {
                     .untied_decoder
                     .as_ref()
                     .unwrap_or_else(|| self.backbone.word_embeddings());
-                layers::linear(&x, decoder, &m.bias) // (B, T, V)
+                layers::linear(&x, decoder, Some(&m.bias)) // (B, T, V)
+            }
+            HeadLayers::CausalLm { untied } => {
+                let weight = untied
+                    .as_ref()
+                    .unwrap_or_else(|| self.backbone.word_embeddings());
+                layers::linear(&hidden, weight, None) // (B, T, V)
             }
         };
         ModelOutput { hidden, logits }
+    }
+
+    /// An empty key/value cache for [`TaskModel::forward_cached`].
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_layers as usize)
+    }
+
+    /// Causal-LM inference without recomputing the past: logits (B, T, V) of `ids` (B, T)
+    /// following the positions already in `cache`, which grows by T.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let HeadLayers::CausalLm { untied } = &self.head_layers else {
+            bail!(
+                "{} has no causal-LM head to generate with",
+                self.class_name()
+            );
+        };
+        let hidden = match &self.backbone {
+            Backbone::Gpt2(m) => m.forward_cached(ids, cache),
+            Backbone::Llama(m) => m.forward_cached(ids, cache),
+            _ => bail!("{} is not a decoder", self.class_name()),
+        };
+        let weight = untied
+            .as_ref()
+            .unwrap_or_else(|| self.backbone.word_embeddings());
+        Ok(layers::linear(&hidden, weight, None))
     }
 
     /// The loss transformers computes for this head and these labels (mean over the batch).
@@ -474,6 +583,13 @@ impl TaskModel {
             (Head::MaskedLm, Labels::Tokens(y)) => {
                 mean_cross_entropy(&out.logits, y, self.config.vocab_size)
             }
+            (Head::CausalLm, Labels::Tokens(y)) => {
+                // Position t predicts token t + 1: drop the last logits and the first labels.
+                let t = out.logits.size()[1];
+                let logits = out.logits.narrow(1, 0, t - 1);
+                let targets = y.narrow(1, 1, t - 1);
+                mean_cross_entropy(&logits, &targets, self.config.vocab_size)
+            }
             (head, labels) => bail!(
                 "labels {:?} do not fit head {head:?} with problem type {}",
                 std::mem::discriminant(labels),
@@ -486,8 +602,8 @@ impl TaskModel {
 /// Cross-entropy over (.., classes) logits, averaged over targets that are not -100
 /// (PyTorch's default `ignore_index`).
 fn mean_cross_entropy(logits: &Tensor, targets: &Tensor, classes: i64) -> Tensor {
-    logits.view([-1, classes]).cross_entropy_loss::<Tensor>(
-        &targets.view([-1]),
+    logits.reshape([-1, classes]).cross_entropy_loss::<Tensor>(
+        &targets.reshape([-1]),
         None,
         Reduction::Mean,
         -100,
@@ -507,7 +623,7 @@ pub struct Pretrained {
 fn build(
     dir: &std::path::Path,
     head: Head,
-    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     seed: i64,
 ) -> Result<(nn::VarStore, TaskModel)> {
     let config_path = dir.join(crate::hf_files::CONFIG_FILE);
@@ -518,11 +634,11 @@ fn build(
             dir.display()
         );
     }
-    let mut config = EncoderConfig::from_file(&config_path)?;
+    let mut config = HfConfig::from_file(&config_path)?;
     adapt(&mut config)?;
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = TaskModel::new(&vs.root(), config, head);
+    let model = TaskModel::new(&vs.root(), config, head)?;
     Ok((vs, model))
 }
 
@@ -532,7 +648,7 @@ fn build(
 pub fn from_pretrained(
     dir: &std::path::Path,
     head: Head,
-    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
     use anyhow::Context;
@@ -548,7 +664,7 @@ pub fn from_pretrained(
 pub fn from_config(
     dir: &std::path::Path,
     head: Head,
-    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
     let (vs, model) = build(dir, head, adapt, seed)?;

@@ -141,7 +141,7 @@ Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 struct SeededAttention : public torch::autograd::Function<SeededAttention> {
-  // q, k, v: (B, H, T, D); bias: (B, 1, T) additive (0 or a large negative).
+  // q, k, v: (B, H, T, D); bias: (B, 1, T) or (B, T, T) additive (0 or a large negative).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& bias, double p,
                             int64_t seed) {
@@ -226,16 +226,18 @@ at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed,
 }
 
 // Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where key_mask (B, 1, 1,
-// T) or (B, T), boolean, is true, with dropout p on the probabilities drawn from `seed`. Returns (B, H, T, D).
+// T), (B, T) or, per query, (B, 1, T, T), boolean, is true, with dropout p on the probabilities drawn from `seed`. Returns (B, H, T, D).
 at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
                                       const at::Tensor* v, const at::Tensor* key_mask, double p,
                                       int64_t seed, char** error) {
   return guarded(error, [&] {
     const int64_t b = key_mask->size(0), t = key_mask->size(-1);
+    // One row of key bias for all queries, or one row per query (causal masks).
+    const int64_t rows = key_mask->dim() == 4 ? key_mask->size(2) : 1;
     // A large finite negative rather than -inf: a row with no key left gets uniform weights,
     // not NaN (it is in range for bf16 too).
-    at::Tensor bias = at::zeros({b, 1, t}, q->options().requires_grad(false));
-    bias.masked_fill_(key_mask->logical_not().reshape({b, 1, t}), at::Scalar(-3.0e38));
+    at::Tensor bias = at::zeros({b, rows, t}, q->options().requires_grad(false));
+    bias.masked_fill_(key_mask->logical_not().reshape({b, rows, t}), at::Scalar(-3.0e38));
     return SeededAttention::apply(*q, *k, *v, bias, p, seed);
   });
 }

@@ -163,9 +163,14 @@ pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     Ok(ckpt)
 }
 
-/// Tensors transformers ignores on load: buffers and tied copies of the word embeddings.
-fn ignored_on_load(key: &str) -> bool {
+/// Tensors transformers ignores on load: buffers (position ids, GPT-2's causal-mask `attn.bias`,
+/// RoPE frequencies) and tied copies of the word embeddings.
+fn ignored_on_load(key: &str, tied: bool) -> bool {
     key.ends_with("position_ids")
+        || key.ends_with(".attn.bias")
+        || key.ends_with(".attn.masked_bias")
+        || key.ends_with("rotary_emb.inv_freq")
+        || (tied && key == "lm_head.weight")
         || key == "cls.predictions.decoder.weight"
         || key == "cls.predictions.decoder.bias"
         || key == "lm_head.decoder.weight"
@@ -250,7 +255,7 @@ pub fn load_checkpoint(
     report.unused = tensors
         .into_values()
         .map(|(orig, _)| orig)
-        .filter(|k| !ignored_on_load(k))
+        .filter(|k| !ignored_on_load(k, model.config.tie_word_embeddings))
         .collect();
     report.unused.sort();
     Ok(report)

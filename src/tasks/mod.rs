@@ -11,6 +11,7 @@
 //! Adding a task: a module here implementing [`TaskData`] and [`EvalSet`], a `TaskName`
 //! variant with its head (config.rs), and one line in [`read`].
 
+pub mod causal_lm;
 pub mod question_answering;
 pub mod sequence_classification;
 
@@ -22,7 +23,7 @@ use anyhow::{bail, Result};
 
 use crate::config::{Config, TaskName};
 use crate::data::batching::Feature;
-use crate::models::{EncoderConfig, ModelOutput};
+use crate::models::{HfConfig, ModelOutput};
 
 /// The run's data files, resolved to local paths.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +41,8 @@ pub struct TokenizeOptions<'a> {
     pub pad_id: i64,
     /// Tokens per feature, special tokens included.
     pub max_seq_len: usize,
+    /// The model's end-of-sequence token, which ends an instruction's completion.
+    pub eos_id: Option<i64>,
 }
 
 /// Tokenization spread over the processes of a run: `tokenize` is called on a share of the
@@ -58,7 +61,7 @@ pub trait Shards {
 pub trait TaskData {
     /// Changes the model's config.json for these data before the model is built (class
     /// labels, problem type).
-    fn adapt(&self, config: &mut EncoderConfig) -> Result<()>;
+    fn adapt(&self, config: &mut HfConfig) -> Result<()>;
     /// Whether there are evaluation examples.
     fn has_eval(&self) -> bool;
     /// Tokenizes the training examples (none with `eval_only`) and the evaluation examples.
@@ -102,7 +105,8 @@ pub fn read(config: &Config, files: &DataFiles, report: bool) -> Result<Box<dyn 
         )?),
         TaskName::Qa => Box::new(question_answering::QaData::read(config, files, report)?),
         TaskName::Mlm => {
-            bail!("model.task: \"mlm\" training is not supported yet (\"seq-cls\" and \"qa\" are)")
+            bail!("model.task: \"mlm\" training is not supported yet (\"seq-cls\", \"qa\" and \"causal-lm\" are)")
         }
+        TaskName::CausalLm => Box::new(causal_lm::LmData::read(config, files, report)?),
     })
 }

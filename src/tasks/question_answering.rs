@@ -12,7 +12,7 @@ use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
 use crate::config::Config;
 use crate::data::batching::Feature;
 use crate::data::squad::{self, QaExample, QaFeature, QaReadOptions};
-use crate::models::{EncoderConfig, ModelOutput};
+use crate::models::{HfConfig, ModelOutput};
 use crate::qa::{self, PostProcess};
 
 /// Questions with their contexts and answers; held-out questions are whole articles.
@@ -69,7 +69,7 @@ impl QaData {
 
 impl TaskData for QaData {
     /// The span head needs nothing from the data.
-    fn adapt(&self, _config: &mut EncoderConfig) -> Result<()> {
+    fn adapt(&self, _config: &mut HfConfig) -> Result<()> {
         Ok(())
     }
 

@@ -14,7 +14,7 @@ use crate::data::batching::{holdout_split, Feature, Target};
 use crate::data::classification::{self, Example, LabelKind, ReadOptions};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
 use crate::metrics;
-use crate::models::{EncoderConfig, ModelOutput, ProblemType};
+use crate::models::{HfConfig, ModelOutput, ProblemType};
 
 /// The problem type a run's classification head trains for: the one place it is decided.
 fn problem_type(model: &ModelConfig) -> Result<ProblemType> {
@@ -81,7 +81,7 @@ impl SeqClsData {
 }
 
 impl TaskData for SeqClsData {
-    fn adapt(&self, c: &mut EncoderConfig) -> Result<()> {
+    fn adapt(&self, c: &mut HfConfig) -> Result<()> {
         c.id2label = classification::id2label(&self.labels);
         c.problem_type = Some(match self.labels {
             LabelKind::Regression => ProblemType::Regression,
@@ -156,7 +156,7 @@ impl EvalSet for SeqClsEval {
         let gold = self.features.iter().map(|f| match f.target {
             Target::Class(c) => c as f64,
             Target::Value(v) => v,
-            Target::Span(..) => f64::NAN,
+            Target::Span(..) | Target::NextTokens { .. } => f64::NAN,
         });
         Ok(match &self.labels {
             LabelKind::Regression => {

@@ -54,7 +54,7 @@ pub fn evaluate(
     for batch in shard.chunks(opts.batch_size) {
         let (inputs, _) = collate(batch, model.config.pad_token_id, opts.pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
-        let labels = batch_labels(batch)?;
+        let labels = batch_labels(batch, inputs.input_ids.size()[1] as usize)?;
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * batch.len() as f64;
         outputs.extend(set.batch_outputs(&out, batch)?);
     }
@@ -62,7 +62,9 @@ pub fn evaluate(
     let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
     let predictions_dir = opts.predictions_dir.filter(|_| dist.is_root());
     let mut m = set.metrics(&outputs, predictions_dir)?;
-    m.insert("loss".into(), loss_sum / features.len().max(1) as f64);
+    // The mean of the examples' losses, unless the task weighs them itself (per token).
+    m.entry("loss".into())
+        .or_insert(loss_sum / features.len().max(1) as f64);
     Ok(m.into_iter()
         .map(|(k, v)| (format!("eval_{k}"), v))
         .collect())

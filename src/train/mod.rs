@@ -70,7 +70,10 @@ pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
 pub fn optimizer(tc: &TrainConfig, flat: FlatParams, total_steps: usize) -> Result<Optimizer> {
     let total = total_steps as i64;
     let warmup = LrSchedule::warmup_from(tc.warmup_steps as i64, tc.warmup_ratio, total);
-    let schedule = LrSchedule::new(tc.lr_scheduler, tc.learning_rate, warmup, total)?;
+    let schedule = LrSchedule {
+        min_lr_rate: tc.min_lr_rate,
+        ..LrSchedule::new(tc.lr_scheduler, tc.learning_rate, warmup, total)?
+    };
     let adam = AdamWConfig {
         beta1: tc.adam_beta1,
         beta2: tc.adam_beta2,
@@ -256,7 +259,7 @@ impl<'a> Trainer<'a> {
             let batch: Vec<&Feature> = indices.iter().map(|&i| &self.train[i]).collect();
             let pad_id = self.model.config.pad_token_id;
             let (inputs, real_tokens) = collate(&batch, pad_id, self.config.pad_to());
-            let labels = batch_labels(&batch)?;
+            let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
             times.data += t.elapsed().as_secs_f64();
             let t = Instant::now();
             let micro_index = self.dist.topo.rank * self.plan.accumulation + m;

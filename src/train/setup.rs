@@ -13,7 +13,7 @@ use crate::data::batching::Feature;
 use crate::dist::Dist;
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
-use crate::models::{self, layers::AutocastGuard, EncoderConfig, Head, TaskModel};
+use crate::models::{self, layers::AutocastGuard, Head, HfConfig, TaskModel};
 use crate::sysinfo::{self, CpuInfo};
 use crate::tasks::{EvalSet, TaskData, TokenizeOptions, Tokenized};
 
@@ -54,7 +54,7 @@ pub fn load_model(
     config: &Config,
     source: ModelSource,
     head: Head,
-    adapt: impl FnOnce(&mut EncoderConfig) -> Result<()>,
+    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     report: bool,
 ) -> Result<(models::Pretrained, PathBuf)> {
     let seed = config.runtime.seed as i64;
@@ -118,6 +118,7 @@ pub fn prepare(
         tokenizer_json: &tokenizer_json,
         pad_id: pretrained.model.config.pad_token_id,
         max_seq_len: config.model.max_seq_len,
+        eos_id: pretrained.model.config.eos_token_ids.first().copied(),
     };
     let Tokenized { train, eval } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
     Ok(Prepared {
