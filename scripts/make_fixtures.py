@@ -770,6 +770,59 @@ def chat_fixtures():
     print(f"chat: {len(cases)} renderings of {len(CHAT_TEMPLATES)} templates")
 
 
+def lora_reference():
+    """20 steps of PEFT LoRA training (r 4, alpha 8, q/v/o/gate projections) on the tiny Llama
+    causal-LM fixture: the initial and final adapters as PEFT saves them, per-step losses, and
+    the final PeftModel's logits on the first batch."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    os.chdir(ROOT)  # the adapters name their base model by this relative path
+    base_dir = "tests/fixtures/parity/llama-causal-lm"
+    out_dir = OUT / "lora"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tok = PreTrainedTokenizerFast(tokenizer_file=f"{base_dir}/tokenizer.json", pad_token="<pad>")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj"],
+                     task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    model.save_pretrained(out_dir / "initial")
+    model.train()
+    hp = {"lr": 1e-2, "weight_decay": 0.01, "warmup_steps": 2, "steps": 20, "max_grad_norm": 1.0, "batch_size": 4}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=hp["weight_decay"],
+                            foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, hp["warmup_steps"], hp["steps"])
+    gen = torch.Generator().manual_seed(7)
+    texts = CORPUS + [a for a, _ in PAIRS] + [q for q, _ in QA]
+    ref, losses = {}, []
+    for step in range(hp["steps"]):
+        idx = torch.randint(0, len(texts), (hp["batch_size"],), generator=gen).tolist()
+        enc = tok([texts[i] for i in idx], padding=True, return_tensors="pt")
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, hp["max_grad_norm"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        ref[f"input_ids.{step}"] = enc["input_ids"].contiguous()
+        ref[f"attention_mask.{step}"] = enc["attention_mask"].contiguous()
+        ref[f"labels.{step}"] = labels.contiguous()
+    model.save_pretrained(out_dir / "final")
+    model.eval()
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out_dir / "final").eval()
+        ref["final_logits"] = reloaded(input_ids=ref["input_ids.0"], attention_mask=ref["attention_mask.0"]).logits.contiguous()
+    ref["losses"] = torch.tensor(losses, dtype=torch.float64)
+    save_file(ref, out_dir / "reference.safetensors")
+    (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
+    for d in ("initial", "final"):
+        (out_dir / d / "README.md").unlink(missing_ok=True)
+    print(f"lora: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
 def decoder_fixtures():
     tok = decoder_tokenizer()
     for arch in ["gpt2", "llama", "llama-tied", "mistral", "qwen2", "qwen3"]:
@@ -792,6 +845,7 @@ def main():
         torch.set_num_threads(1)
         decoder_fixtures()
         chat_fixtures()
+        lora_reference()
         return
     if args.only_qa:
         qa_features_reference()
@@ -813,6 +867,7 @@ def main():
     training_reference(tokenizers_by_arch["bert"])
     decoder_fixtures()
     chat_fixtures()
+    lora_reference()
     data_fixtures()
     qa_features_reference()
     qa_formats_reference()

@@ -15,7 +15,7 @@ use tch::{Kind, Tensor};
 
 use crate::atomic_file::{write_atomic, write_atomic_with};
 use crate::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
-use crate::models::{HfConfig, TaskModel};
+use crate::models::{lora, HfConfig, TaskModel};
 use crate::optim::AdamW;
 
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -134,18 +134,51 @@ pub struct ModelFiles<'a> {
     pub vs: &'a tch::nn::VarStore,
     pub tokenizer_json: &'a Path,
     pub resolved_config: &'a str,
+    /// The model trained from (`model.name_or_path`), named by LoRA adapters.
+    pub base_model: &'a str,
 }
 
-fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
-    let mut named: Vec<(String, Tensor)> = files.vs.variables().into_iter().collect();
+/// model.safetensors and config.json of `model` with these variables.
+pub fn write_full_model(
+    dir: &Path,
+    model: &TaskModel,
+    mut named: Vec<(String, Tensor)>,
+) -> Result<()> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     write_safetensors(&dir.join(SINGLE_FILE), &named)?;
     write_atomic(
         &dir.join(CONFIG_FILE),
-        model_config_json(&files.model.config, &files.model.class_name())?.as_bytes(),
-    )?;
-    // tokenizer.json plus the side files AutoTokenizer reads, where the source model has them.
-    let source = files.tokenizer_json.parent().unwrap_or(Path::new("."));
+        model_config_json(&model.config, &model.class_name())?.as_bytes(),
+    )
+}
+
+fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
+    let config = &files.model.config;
+    match &config.lora {
+        // LoRA: the adapters alone, in PEFT's layout, naming the base model.
+        Some(spec) => {
+            let mut named: Vec<(String, Tensor)> = files
+                .vs
+                .variables()
+                .into_iter()
+                .filter(|(n, _)| lora::is_adapter_variable(n))
+                .map(|(n, t)| (lora::peft_key(&n), t))
+                .collect();
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+            write_safetensors(&dir.join(lora::ADAPTER_WEIGHTS), &named)?;
+            let json = lora::adapter_config_json(spec, config.arch, files.base_model, "CAUSAL_LM");
+            write_atomic(&dir.join(lora::ADAPTER_CONFIG), json.as_bytes())?;
+        }
+        None => write_full_model(dir, files.model, files.vs.variables().into_iter().collect())?,
+    }
+    copy_tokenizer(files.tokenizer_json, dir)?;
+    write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())
+}
+
+/// tokenizer.json plus the side files AutoTokenizer reads (and the chat template), where the
+/// source has them.
+pub fn copy_tokenizer(tokenizer_json: &Path, dir: &Path) -> Result<()> {
+    let source = tokenizer_json.parent().unwrap_or(Path::new("."));
     for name in TOKENIZER_FILES {
         let src = source.join(name);
         if name == TOKENIZER_FILE || src.is_file() {
@@ -154,7 +187,7 @@ fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
             write_atomic(&dir.join(name), &bytes)?;
         }
     }
-    write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())
+    Ok(())
 }
 
 /// The final model at the root of the output directory (file by file, each atomic).

@@ -28,6 +28,53 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     /// Data parallelism over MPI.
     pub dist: DistConfig,
+    /// LoRA adapters: with r > 0 only they train (and cross the wire), saved in PEFT's layout.
+    pub lora: LoraConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraConfig {
+    /// Rank of the adapters; 0 = no LoRA (full fine-tuning).
+    pub r: usize,
+    /// Scale numerator: the update is (alpha / r) B A.
+    pub alpha: f64,
+    /// Dropout on the adapters' input in training.
+    pub dropout: f64,
+    /// Layers that get adapters, by module name (e.g. ["q_proj", "v_proj"]); empty = PEFT's
+    /// default for the model type (q_proj and v_proj for the Llama family, c_attn for GPT-2).
+    pub target_modules: Vec<String>,
+    /// Which biases train: "none" (PEFT's default; the only choice supported).
+    pub bias: String,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            r: 0,
+            alpha: 8.0,
+            dropout: 0.0,
+            target_modules: Vec::new(),
+            bias: "none".into(),
+        }
+    }
+}
+
+impl LoraConfig {
+    /// The adapters to build on a model of `arch`, if LoRA is on.
+    pub fn spec(&self, arch: crate::models::Arch) -> Option<crate::models::lora::LoraSpec> {
+        use crate::models::lora::LoraSpec;
+        (self.r > 0).then(|| LoraSpec {
+            r: self.r as i64,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            target_modules: if self.target_modules.is_empty() {
+                LoraSpec::default_targets(arch)
+            } else {
+                self.target_modules.clone()
+            },
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -516,6 +563,16 @@ impl Config {
         }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size: must be at least 1");
+        }
+        let l = &self.lora;
+        if l.bias != "none" {
+            bail!("lora.bias: {:?} is not supported (only \"none\")", l.bias);
+        }
+        if !(0.0..1.0).contains(&l.dropout) {
+            bail!("lora.dropout: {} is not in [0, 1)", l.dropout);
+        }
+        if l.r > 0 && self.model.task != TaskName::CausalLm {
+            bail!("lora.r: LoRA trains causal language models (model.task = \"causal-lm\") only");
         }
         if t.epochs == 0 && t.max_steps == 0 {
             bail!("train.epochs: must be at least 1 when train.max_steps is 0");

@@ -13,7 +13,7 @@ use crate::data::chat::ChatTemplate;
 use crate::data::tokenizer::load_untruncated;
 use crate::hf_files::TOKENIZER_FILE;
 use crate::hub;
-use crate::models::{self, Head, TaskModel};
+use crate::models::{self, lora, Head, TaskModel};
 
 /// `sprtrain generate` options.
 #[derive(Debug, Clone, clap::Args)]
@@ -180,8 +180,14 @@ pub fn generate(
 /// `sprtrain generate`: prints the prompt's continuation.
 pub fn run(args: &GenerateArgs) -> Result<String> {
     let dir: PathBuf = hub::resolve_model_dir(&args.model, &args.revision)?;
-    let pretrained = models::from_pretrained(&dir, Head::CausalLm, |_| Ok(()), 0)
-        .with_context(|| format!("cannot load a causal language model from {}", dir.display()))?;
+    // A LoRA adapter runs on its base model.
+    let pretrained = if lora::is_adapter_dir(&dir) {
+        crate::merge::load(&dir, None, Head::CausalLm)?.1
+    } else {
+        models::from_pretrained(&dir, Head::CausalLm, |_| Ok(()), 0).with_context(|| {
+            format!("cannot load a causal language model from {}", dir.display())
+        })?
+    };
     let model = &pretrained.model;
     for line in pretrained.report.summary_lines(&model.class_name(), &dir) {
         tracing::warn!("{line}");

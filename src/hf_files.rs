@@ -19,9 +19,10 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const PICKLE_FILE: &str = "pytorch_model.bin";
 /// Tokenizer files copied into every saved model directory where the source has them
 /// (tokenizer.json always): what `AutoTokenizer.from_pretrained` reads.
-pub const TOKENIZER_FILES: [&str; 6] = [
+pub const TOKENIZER_FILES: [&str; 7] = [
     TOKENIZER_FILE,
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.txt",
     "vocab.json",

@@ -22,6 +22,7 @@ pub mod dist;
 pub mod generate;
 pub mod hf_files;
 pub mod hub;
+pub mod merge;
 pub mod metrics;
 pub mod models;
 pub mod optim;

@@ -41,6 +41,9 @@ enum Command {
     /// Continue a prompt with a causal language model (greedy, or sampled with temperature,
     /// top-k and top-p), printing the prompt and its continuation.
     Generate(sprtrain::generate::GenerateArgs),
+    /// Fold a LoRA adapter into its base model and write the full model (which transformers
+    /// loads without PEFT).
+    Merge(sprtrain::merge::MergeArgs),
     /// Build a character-level tokenizer.json (one token per distinct character of a text
     /// file, as nanoGPT's shakespeare_char) with the tokenizers crate.
     CharTokenizer {
@@ -182,6 +185,10 @@ fn run(cli: Cli) -> Result<()> {
                 args.prompt.clone()
             };
             println!("{prompt}{continuation}");
+        }
+        Command::Merge(args) => {
+            let n = sprtrain::merge::run(&args).context("merge")?;
+            eprintln!("merged {n} adapted layers into {}", args.output.display());
         }
         Command::CharTokenizer { text, output } => {
             let n = sprtrain::data::tokenizer::write_char_tokenizer(&text, &output)?;

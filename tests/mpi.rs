@@ -144,6 +144,25 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
         v["eval_loss"].as_f64().unwrap()
     };
     assert!((eval(&out1) - eval(&out2)).abs() <= 1e-5);
+
+    // LoRA: only the adapters' gradients cross the wire (q_proj and v_proj of 2 layers, r 4:
+    // 2 x (4 x 32 + 32 x 4) + 2 x (4 x 32 + 16 x 4) = 896 values), plus the step's two totals.
+    let (cl, outl) = config("lora", 1);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"])
+        .arg(&cl)
+        .args(["--set", "lora.r=4"]);
+    run_ok(cmd);
+    let sent: Vec<f64> = std::fs::read_to_string(outl.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
+        .collect();
+    let want =
+        sprtrain::dist::allreduce_bytes(896, 4, 2) + sprtrain::dist::allreduce_bytes(2, 8, 2);
+    assert_eq!(sent.len(), 12);
+    assert!(sent.iter().all(|&b| b == want as f64), "{sent:?} vs {want}");
 }
 
 /// Ranks started with different configs (an MPMD launch, --set on rank 1 only) all stop with an

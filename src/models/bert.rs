@@ -135,7 +135,7 @@ impl BertLayer {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
-        let (q, k, v) = qkv_projection(x, &self.query, &self.key, &self.value);
+        let (q, k, v) = qkv_projection(x, &self.query, &self.key, &self.value, train);
         let ctx = multi_head_attention(
             &q,
             &k,

@@ -121,7 +121,7 @@ impl TransformerBlock {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
-        let (q, k, v) = qkv_projection(x, &self.q_lin, &self.k_lin, &self.v_lin);
+        let (q, k, v) = qkv_projection(x, &self.q_lin, &self.k_lin, &self.v_lin, train);
         let ctx = multi_head_attention(
             &q,
             &k,

@@ -31,13 +31,20 @@ impl Gpt2Block {
         let (h, r) = (c.hidden_size, c.initializer_range);
         // transformers scales the init of the residual projections by 1/sqrt(2 * layers).
         let proj_std = r / (2.0 * c.num_layers as f64).sqrt();
+        let lora = c.lora.as_ref();
         Gpt2Block {
             ln_1: LayerNorm::new(&p / "ln_1", h, c.layer_norm_eps),
-            c_attn: Conv1D::new(&p / "attn" / "c_attn", h, 3 * h, r),
-            attn_proj: Conv1D::new(&p / "attn" / "c_proj", h, h, proj_std),
+            c_attn: Conv1D::new(&p / "attn" / "c_attn", h, 3 * h, r, lora),
+            attn_proj: Conv1D::new(&p / "attn" / "c_proj", h, h, proj_std, lora),
             ln_2: LayerNorm::new(&p / "ln_2", h, c.layer_norm_eps),
-            c_fc: Conv1D::new(&p / "mlp" / "c_fc", h, c.intermediate_size, r),
-            mlp_proj: Conv1D::new(&p / "mlp" / "c_proj", c.intermediate_size, h, proj_std),
+            c_fc: Conv1D::new(&p / "mlp" / "c_fc", h, c.intermediate_size, r, lora),
+            mlp_proj: Conv1D::new(
+                &p / "mlp" / "c_proj",
+                c.intermediate_size,
+                h,
+                proj_std,
+                lora,
+            ),
             num_heads: c.num_heads,
             activation: c.activation,
             resid_dropout: c.hidden_dropout,
@@ -54,15 +61,25 @@ impl Gpt2Block {
     ) -> Tensor {
         let (b, t, c) = x.size3().expect("GPT-2 block input is (B, T, C)");
         let heads = |y: &Tensor| y.view([b, t, self.num_heads, -1]).transpose(1, 2); // (B, H, T, D)
-        let qkv = self.c_attn.forward(&self.ln_1.forward(x)).split(c, -1);
+        let qkv = self
+            .c_attn
+            .forward(&self.ln_1.forward(x), train)
+            .split(c, -1);
         let (q, mut k, mut v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
         if let Some((cache, layer)) = cache {
             (k, v) = cache.extend(layer, k, v);
         }
         let ctx = causal_attention(&q, &k, &v, mask, self.attn_dropout, train); // (B, T, C)
-        let x = x + dropout(&self.attn_proj.forward(&ctx), self.resid_dropout, train);
-        let m = activate(self.activation, &self.c_fc.forward(&self.ln_2.forward(&x)));
-        &x + dropout(&self.mlp_proj.forward(&m), self.resid_dropout, train)
+        let x = x + dropout(
+            &self.attn_proj.forward(&ctx, train),
+            self.resid_dropout,
+            train,
+        );
+        let m = activate(
+            self.activation,
+            &self.c_fc.forward(&self.ln_2.forward(&x), train),
+        );
+        &x + dropout(&self.mlp_proj.forward(&m, train), self.resid_dropout, train)
     }
 }
 

@@ -215,6 +215,8 @@ pub struct HfConfig {
     /// Whether config.json names a `pad_token_id` (decoders often have none; batches are then
     /// padded with `pad_token_id` = the end-of-sequence id, or 0).
     pub has_pad_token: bool,
+    /// LoRA adapters to build on the targeted layers (a training choice, not in config.json).
+    pub lora: Option<super::lora::LoraSpec>,
     /// The file as read, kept so a saved config.json carries every key it came with.
     pub raw: serde_json::Value,
 }
@@ -469,6 +471,7 @@ fn encoder_extras(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
         eos_token_ids: Vec::new(),
         bos_token_id: None,
         has_pad_token: true,
+        lora: None,
         raw: serde_json::Value::Null,
     }
 }

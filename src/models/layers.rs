@@ -7,6 +7,7 @@ use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
 use super::hf_config::Activation;
+use super::lora::{LoraAdapter, LoraSpec};
 
 thread_local! {
     /// The lower-precision compute dtype in force on this thread, like PyTorch's autocast
@@ -169,6 +170,8 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
 pub struct Linear {
     pub weight: Tensor,       // (out, in)
     pub bias: Option<Tensor>, // (out)
+    /// A LoRA update, where one targets this layer.
+    pub lora: Option<LoraAdapter>,
 }
 
 impl Linear {
@@ -187,11 +190,40 @@ impl Linear {
             },
         );
         let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
-        Linear { weight, bias }
+        Linear {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
+    /// As `with_bias`, with a LoRA adapter when `lora` targets this layer.
+    pub fn adapted(
+        p: nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        init_range: f64,
+        bias: bool,
+        lora: Option<&LoraSpec>,
+    ) -> Self {
+        let adapter = LoraAdapter::for_module(&p, in_dim, out_dim, lora);
+        Linear {
+            lora: adapter,
+            ..Self::with_bias(p, in_dim, out_dim, init_range, bias)
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        linear(x, &self.weight, self.bias.as_ref())
+        self.forward_t(x, false)
+    }
+
+    /// The layer's output; `train` drops out the LoRA input in training.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let y = linear(x, &self.weight, self.bias.as_ref());
+        match &self.lora {
+            Some(l) => y + l.delta(x, train),
+            None => y,
+        }
     }
 }
 
@@ -201,10 +233,19 @@ impl Linear {
 pub struct Conv1D {
     pub weight: Tensor, // (in, out)
     pub bias: Tensor,   // (out)
+    /// A LoRA update (PEFT's fan_in_fan_out layout: A (r, in), B (out, r) as for Linear).
+    pub lora: Option<LoraAdapter>,
 }
 
 impl Conv1D {
-    pub fn new(p: nn::Path, in_dim: i64, out_dim: i64, init_std: f64) -> Self {
+    pub fn new(
+        p: nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        init_std: f64,
+        lora: Option<&LoraSpec>,
+    ) -> Self {
+        let adapter = LoraAdapter::for_module(&p, in_dim, out_dim, lora);
         let weight = p.var(
             "weight",
             &[in_dim, out_dim],
@@ -214,11 +255,19 @@ impl Conv1D {
             },
         );
         let bias = p.var("bias", &[out_dim], Init::Const(0.0));
-        Conv1D { weight, bias }
+        Conv1D {
+            weight,
+            bias,
+            lora: adapter,
+        }
     }
 
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        linear(x, &self.weight.tr(), Some(&self.bias))
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let y = linear(x, &self.weight.tr(), Some(&self.bias));
+        match &self.lora {
+            Some(l) => y + l.delta(x, train),
+            None => y,
+        }
     }
 }
 
@@ -249,7 +298,13 @@ impl RmsNorm {
 /// GEMM runs closer to the machine's peak than three narrow ones (fp32 on 2 cores: about 200
 /// against 155-190 GFLOP/s). The weights stay three parameters with their HF names; the
 /// concatenation costs a 3 C^2 copy per call. Returns three (B, T, C) views.
-pub fn qkv_projection(x: &Tensor, q: &Linear, k: &Linear, v: &Linear) -> (Tensor, Tensor, Tensor) {
+pub fn qkv_projection(
+    x: &Tensor,
+    q: &Linear,
+    k: &Linear,
+    v: &Linear,
+    train: bool,
+) -> (Tensor, Tensor, Tensor) {
     let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0); // (Q + 2K, C)
     let biases: Option<Vec<&Tensor>> = [&q.bias, &k.bias, &v.bias]
         .iter()
@@ -259,11 +314,12 @@ pub fn qkv_projection(x: &Tensor, q: &Linear, k: &Linear, v: &Linear) -> (Tensor
     let qkv = linear(x, &w, b.as_ref()); // (B, T, Q + 2K)
     let sizes = [q.weight.size()[0], k.weight.size()[0], v.weight.size()[0]];
     let parts = qkv.split_with_sizes(sizes, -1);
-    (
-        parts[0].shallow_clone(),
-        parts[1].shallow_clone(),
-        parts[2].shallow_clone(),
-    )
+    // LoRA updates apply to their own projection's share.
+    let part = |i: usize, layer: &Linear| match &layer.lora {
+        Some(l) => &parts[i] + l.delta(x, train),
+        None => parts[i].shallow_clone(),
+    };
+    (part(0, q), part(1, k), part(2, v))
 }
 
 /// `torch.nn.LayerNorm` over the last dimension.

@@ -115,12 +115,13 @@ impl LlamaLayer {
         let attn = &p / "self_attn";
         let mlp = &p / "mlp";
         let eps = c.layer_norm_eps;
+        let lora = c.lora.as_ref();
         LlamaLayer {
             input_layernorm: RmsNorm::new(&p / "input_layernorm", h, eps),
-            q_proj: Linear::with_bias(&attn / "q_proj", h, q_dim, r, c.qkv_bias),
-            k_proj: Linear::with_bias(&attn / "k_proj", h, kv_dim, r, c.qkv_bias),
-            v_proj: Linear::with_bias(&attn / "v_proj", h, kv_dim, r, c.qkv_bias),
-            o_proj: Linear::with_bias(&attn / "o_proj", q_dim, h, r, c.output_bias),
+            q_proj: Linear::adapted(&attn / "q_proj", h, q_dim, r, c.qkv_bias, lora),
+            k_proj: Linear::adapted(&attn / "k_proj", h, kv_dim, r, c.qkv_bias, lora),
+            v_proj: Linear::adapted(&attn / "v_proj", h, kv_dim, r, c.qkv_bias, lora),
+            o_proj: Linear::adapted(&attn / "o_proj", q_dim, h, r, c.output_bias, lora),
             q_norm: c
                 .qk_norm
                 .then(|| RmsNorm::new(&attn / "q_norm", c.head_dim, eps)),
@@ -128,9 +129,30 @@ impl LlamaLayer {
                 .qk_norm
                 .then(|| RmsNorm::new(&attn / "k_norm", c.head_dim, eps)),
             post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", h, eps),
-            gate_proj: Linear::with_bias(&mlp / "gate_proj", h, c.intermediate_size, r, c.mlp_bias),
-            up_proj: Linear::with_bias(&mlp / "up_proj", h, c.intermediate_size, r, c.mlp_bias),
-            down_proj: Linear::with_bias(&mlp / "down_proj", c.intermediate_size, h, r, c.mlp_bias),
+            gate_proj: Linear::adapted(
+                &mlp / "gate_proj",
+                h,
+                c.intermediate_size,
+                r,
+                c.mlp_bias,
+                lora,
+            ),
+            up_proj: Linear::adapted(
+                &mlp / "up_proj",
+                h,
+                c.intermediate_size,
+                r,
+                c.mlp_bias,
+                lora,
+            ),
+            down_proj: Linear::adapted(
+                &mlp / "down_proj",
+                c.intermediate_size,
+                h,
+                r,
+                c.mlp_bias,
+                lora,
+            ),
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -149,7 +171,7 @@ impl LlamaLayer {
     ) -> Tensor {
         let (b, t, _) = x.size3().expect("decoder layer input is (B, T, C)");
         let normed = self.input_layernorm.forward(x);
-        let (q, k, v) = qkv_projection(&normed, &self.q_proj, &self.k_proj, &self.v_proj);
+        let (q, k, v) = qkv_projection(&normed, &self.q_proj, &self.k_proj, &self.v_proj, train);
         let split = |y: &Tensor, heads: i64, norm: &Option<RmsNorm>| {
             let y = y.view([b, t, heads, self.head_dim]); // (B, T, heads, D)
             let y = match norm {

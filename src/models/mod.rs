@@ -11,6 +11,7 @@ pub mod gpt2;
 pub mod hf_config;
 pub mod layers;
 pub mod llama;
+pub mod lora;
 pub mod weights;
 
 use anyhow::{bail, Result};
@@ -639,6 +640,14 @@ fn build(
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = TaskModel::new(&vs.root(), config, head)?;
+    if model.config.lora.is_some() {
+        // Only the adapters train: the base model's weights are frozen.
+        for (name, var) in vs.variables() {
+            if !lora::is_adapter_variable(&name) {
+                let _ = var.set_requires_grad(false);
+            }
+        }
+    }
     Ok((vs, model))
 }
 

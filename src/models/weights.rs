@@ -219,6 +219,10 @@ pub fn load_checkpoint(
             continue;
         };
         let Some((orig, src)) = tensors.remove(&name) else {
+            // LoRA adapters start fresh on a base model, as PEFT's do (not reported).
+            if super::lora::is_adapter_variable(&name) {
+                continue;
+            }
             if model.may_be_newly_initialised(&name) {
                 report.newly_initialised.push(name);
                 continue;

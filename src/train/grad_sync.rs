@@ -154,7 +154,10 @@ impl GradSync {
         self.launch_ready(flat, dist, 1)?;
         let layers = boundaries.len();
         for (k, b) in boundaries.iter().enumerate().rev() {
-            (&b.below * b.leaf.grad()).sum(Kind::Float).backward();
+            // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
+            if b.below.requires_grad() {
+                (&b.below * b.leaf.grad()).sum(Kind::Float).backward();
+            }
             self.launch_ready(flat, dist, layers + 1 - k)?;
         }
         Ok(())

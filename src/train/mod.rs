@@ -401,6 +401,7 @@ impl<'a> Trainer<'a> {
             vs: &self.vs,
             tokenizer_json: &self.tokenizer_json,
             resolved_config: &self.resolved_config,
+            base_model: &self.config.model.name_or_path,
         }
     }
 

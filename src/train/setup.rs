@@ -13,7 +13,7 @@ use crate::data::batching::Feature;
 use crate::dist::Dist;
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
-use crate::models::{self, layers::AutocastGuard, Head, HfConfig, TaskModel};
+use crate::models::{self, layers::AutocastGuard, lora, Head, HfConfig, TaskModel};
 use crate::sysinfo::{self, CpuInfo};
 use crate::tasks::{EvalSet, TaskData, TokenizeOptions, Tokenized};
 
@@ -58,12 +58,33 @@ pub fn load_model(
     report: bool,
 ) -> Result<(models::Pretrained, PathBuf)> {
     let seed = config.runtime.seed as i64;
-    let (dir, random) = (source.dir, source.fresh && source.random);
-    let loaded = if random {
-        models::from_config(dir, head, adapt, seed)?
-    } else {
-        models::from_pretrained(dir, head, adapt, seed)?
+    // A LoRA checkpoint holds the adapters only: the base model is the config's.
+    let adapter = (config.lora.r > 0 && lora::is_adapter_dir(source.dir))
+        .then(|| lora::read_adapter(source.dir))
+        .transpose()?;
+    let base_dir;
+    let (dir, random) = match &adapter {
+        Some(_) => {
+            let (d, random) = resolve_model(config, false)?;
+            base_dir = d;
+            (base_dir.as_path(), random)
+        }
+        None => (source.dir, source.fresh && source.random),
     };
+    let with_lora = |c: &mut HfConfig| {
+        adapt(c)?;
+        c.lora = config.lora.spec(c.arch);
+        Ok(())
+    };
+    let loaded = if random {
+        models::from_config(dir, head, with_lora, seed)?
+    } else {
+        models::from_pretrained(dir, head, with_lora, seed)?
+    };
+    if let Some(saved) = &adapter {
+        lora::load_adapter(&loaded.vs, saved)?;
+    }
+
     let class = loaded.model.class_name();
     if report && random {
         tracing::warn!(
@@ -87,7 +108,7 @@ pub fn load_model(
     let tokenizer = if source.fresh && !config.model.tokenizer_file.is_empty() {
         PathBuf::from(&config.model.tokenizer_file)
     } else {
-        dir.join(TOKENIZER_FILE)
+        source.dir.join(TOKENIZER_FILE)
     };
     Ok((loaded, tokenizer))
 }
