@@ -131,7 +131,8 @@ impl Sampling {
 }
 
 /// Continues `prompt` (token ids) by up to `max_new` tokens, stopping after any of `stop`.
-/// Returns the new tokens.
+/// Models with learned positions (GPT-2) continue past their last position with the context
+/// cut to the positions they have. Returns the new tokens.
 pub fn generate(
     model: &TaskModel,
     prompt: &[i64],
@@ -160,13 +161,19 @@ pub fn generate(
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut cache = model.new_cache();
     let mut input = Tensor::from_slice(prompt).unsqueeze(0); // (1, T)
-    let mut out = Vec::new();
+    let mut all = prompt.to_vec();
     tch::no_grad(|| -> Result<()> {
-        while out.len() < max_new && prompt.len() + out.len() < limit {
+        while all.len() - prompt.len() < max_new {
+            if cache.len + input.size()[1] > limit as i64 {
+                // Past the last learned position: the last positions again, without the
+                // cache, as nanoGPT samples past its block size.
+                cache = model.new_cache();
+                input = Tensor::from_slice(&all[all.len() - (limit - 1)..]).unsqueeze(0);
+            }
             let logits = model.forward_cached(&input, &mut cache)?; // (1, T, V)
             let last = logits.select(1, -1).squeeze_dim(0).to_kind(Kind::Float);
             let next = sampling.pick(&Vec::<f32>::try_from(&last)?, &mut rng);
-            out.push(next);
+            all.push(next);
             if stop.contains(&next) {
                 break;
             }
@@ -174,7 +181,7 @@ pub fn generate(
         }
         Ok(())
     })?;
-    Ok(out)
+    Ok(all.split_off(prompt.len()))
 }
 
 /// `sprtrain generate`: prints the prompt's continuation.
