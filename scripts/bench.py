@@ -12,6 +12,11 @@ Rows (issue 6):
   e  one host, seq 128, global batch 16: 1 process x 2 threads against 2 x 1 (sprtrain under
      mpirun, the reference under torchrun with gloo DDP): throughput ratio, exposed comm %
   f  bf16 against fp32 at row a's shapes, where the CPU has bf16 units (AMX or AVX512-BF16)
+  l  causal-LM fine-tuning of a Llama-shaped 125M model (configs/bench/llama-125m-clm.toml:
+     random init, 12 layers, 768 wide, GQA 12/4 heads, vocab 32k) on Tiny Shakespeare packed
+     into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
+     tokens/s and MFU in fp32, bf16 where the CPU has bf16 units, LoRA r=16 on q/v (PEFT on the
+     reference side) with peak memory against full fine-tuning
 
 Each training run takes `steps` optimizer steps; the first `warmup` are not measured. A step's
 time is the wall time between consecutive optimizer steps (data, forward, backward,
@@ -32,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPRTRAIN = ROOT / "target/release/sprtrain"
 CONFIG = ROOT / "configs/bench/distilbert-qa.toml"
+LM_CONFIG = ROOT / "configs/bench/llama-125m-clm.toml"
+LM_MODEL_DIR = ROOT / "configs/models/llama-125m"
 MODEL_DIR = ROOT / "configs/models/distilbert-base-uncased"
 PYTHON = sys.executable
 
@@ -105,11 +112,33 @@ def useful_tokens_per_s(run, warmup):
     return sum(run["step_tokens"][warmup:]) / sum(run["step_s"][warmup:])
 
 
-def sprtrain_run(name, out_dir: Path, sets, steps, batch, procs=1):
+def lm_flops_per_step(tokens: int, seq: int) -> float:
+    """Matmul FLOPs of one causal-LM training step of the row-l Llama: 6 per weight per token
+    (projections, gated MLP, the untied LM head) plus 12 T^2 C per layer and sequence for
+    attention's two products (counted whole, as PaLM does)."""
+    cfg = json.loads((LM_MODEL_DIR / "config.json").read_text())
+    c, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * c // cfg["num_attention_heads"]
+    weights = layers * (2 * c * c + 2 * c * kv + 3 * c * i) + c * cfg["vocab_size"]
+    return 6.0 * weights * tokens + 12.0 * layers * (tokens // seq) * seq * seq * c
+
+
+def reference_lm_run(name, out_dir: Path, args):
+    out = out_dir / f"{name}.json"
+    cmd = [PYTHON, str(ROOT / "scripts/bench_reference_lm.py"), "--model-dir", str(LM_MODEL_DIR),
+           "--tokenizer", str(ROOT / ".venv/minilm/tokenizer.json"), "--out", str(out)] + args
+    log(f"reference {name}: {' '.join(args)}")
+    t0, wall, rss = launch(cmd, out_dir / f"{name}.log")
+    result = json.loads(out.read_text())
+    result.update({"launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss})
+    return result
+
+
+def sprtrain_run(name, out_dir: Path, sets, steps, batch, procs=1, config=CONFIG):
     """One sprtrain training run; the result has the reference's keys (step_s, step_tokens,
     first_step_unix, losses) plus sprtrain's own figures."""
     run_dir = out_dir / name
-    args = [str(SPRTRAIN), "--config", str(CONFIG), "--set", f"train.output_dir={run_dir}",
+    args = [str(SPRTRAIN), "--config", str(config), "--set", f"train.output_dir={run_dir}",
             "--set", f"train.max_steps={steps}", "--set", "train.save_steps=0"]
     for s in sets:
         args += ["--set", s]
@@ -158,7 +187,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 steps a run (1 warm-up) instead of 12 (2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
-    ap.add_argument("--rows", default="abcdef", help="which rows to run (a-d come from one pair of runs)")
+    ap.add_argument("--rows", default="abcdefl", help="which rows to run (a-d come from one pair of runs)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
@@ -267,6 +296,27 @@ def main() -> int:
                 f["reference_speedup_over_fp32"] = rows["a"]["reference_step_s"] / rb
             rows["f"] = f
 
+    if "l" in args.rows:
+        text = ROOT.parent / "shared/data/tinyshakespeare/input.txt"
+        lm_base = ["runtime.threads=2", f"data.train_file={text}"]
+        ref_lm = ["--train-file", str(text), "--steps", str(steps), "--threads", "2"]
+        tokens = 512
+        flops = lm_flops_per_step(tokens, 512)
+        lm = {"model_gflop_per_step": flops / 1e9}
+        variants = [("fp32", ["runtime.precision=fp32"], ["--precision", "fp32"]),
+                    ("lora", ["runtime.precision=fp32", "lora.r=16", "lora.alpha=32"], ["--precision", "fp32", "--lora-r", "16"])]
+        if {"avx512_bf16", "amx_bf16"} & set(cpu["flags"]):
+            variants.insert(1, ("bf16", ["runtime.precision=bf16"], ["--precision", "bf16"]))
+        for tag, ours_sets, ref_args in variants:
+            ours = sprtrain_run(f"l-sprtrain-{tag}", args.out, lm_base + ours_sets, steps, 1, config=LM_CONFIG)
+            ref = reference_lm_run(f"l-reference-{tag}", args.out, ref_lm + ref_args)
+            so, sr = mean_step_s(ours, warmup), mean_step_s(ref, warmup)
+            lm[tag] = {"sprtrain_tokens_per_s": tokens / so, "reference_tokens_per_s": tokens / sr, "ratio": sr / so,
+                       "sprtrain_mfu": flops / so / (peak * 1e9), "reference_mfu": flops / sr / (peak * 1e9),
+                       "sprtrain_mib": ours["ru_maxrss_mib"], "reference_mib": ref["ru_maxrss_mib"],
+                       "sprtrain_losses": ours["losses"], "reference_losses": ref["losses"]}
+        rows["l"] = lm
+
     report["bench_wall_s"] = time.time() - started
     table = markdown(report)
     (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -319,6 +369,18 @@ def markdown(rep) -> str:
             lines.append(f"| f | samples/s bf16, row a's shapes (bf16 GEMM peak {f['bf16_gemm_peak_gflops']:.0f} GFLOP/s) | {f['sprtrain_bf16_samples_per_s']:.3f} | {f['reference_bf16_samples_per_s']:.3f} | {f['ratio']:.2f}x | | |")
             if "sprtrain_speedup_over_fp32" in f:
                 lines.append(f"| f | bf16 speed-up over fp32 | {f['sprtrain_speedup_over_fp32']:.2f}x | {f['reference_speedup_over_fp32']:.2f}x | | | |")
+    if "l" in rows:
+        lm = rows["l"]
+        f32 = lm["fp32"]
+        lines.append(f"| l | tokens/s, Llama-125M causal LM, seq 512, batch 1, fp32, 2 threads | {f32['sprtrain_tokens_per_s']:.0f} | {f32['reference_tokens_per_s']:.0f} | {f32['ratio']:.2f}x | >= 1.2x | {yes(f32['ratio'] >= 1.2)} |")
+        lines.append(f"| l | MFU ({lm['model_gflop_per_step']:.0f} GFLOP a step / step time / fp32 GEMM peak) | {100 * f32['sprtrain_mfu']:.1f}% | {100 * f32['reference_mfu']:.1f}% | | >= 80% | {yes(f32['sprtrain_mfu'] >= 0.8)} |")
+        if "bf16" in lm:
+            b = lm["bf16"]
+            lines.append(f"| l | tokens/s bf16 | {b['sprtrain_tokens_per_s']:.0f} | {b['reference_tokens_per_s']:.0f} | {b['ratio']:.2f}x | | |")
+        lo = lm["lora"]
+        lines.append(f"| l | tokens/s LoRA r=16 on q/v, fp32 | {lo['sprtrain_tokens_per_s']:.0f} | {lo['reference_tokens_per_s']:.0f} | {lo['ratio']:.2f}x | | |")
+        mem = lo["sprtrain_mib"] / f32["sprtrain_mib"]
+        lines.append(f"| l | peak resident memory, LoRA / full fine-tuning (MiB) | {mem:.2f} ({lo['sprtrain_mib']:.0f} / {f32['sprtrain_mib']:.0f}) | {lo['reference_mib'] / f32['reference_mib']:.2f} ({lo['reference_mib']:.0f} / {f32['reference_mib']:.0f}) | | <= 0.5x | {yes(mem <= 0.5)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -145,9 +145,9 @@ pub fn generate(
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
     }
-    // Learned positions (GPT-2) end at max_position_embeddings.
+    // Learned positions (GPT-2) end at max_position_embeddings; rotary ones do not.
     let limit = if model.config.rope.is_some() {
-        usize::MAX
+        i64::MAX as usize
     } else {
         model.config.max_position_embeddings as usize
     };
@@ -164,7 +164,7 @@ pub fn generate(
     let mut all = prompt.to_vec();
     tch::no_grad(|| -> Result<()> {
         while all.len() - prompt.len() < max_new {
-            if cache.len + input.size()[1] > limit as i64 {
+            if (cache.len + input.size()[1]) as usize > limit {
                 // Past the last learned position: the last positions again, without the
                 // cache, as nanoGPT samples past its block size.
                 cache = model.new_cache();
