@@ -139,6 +139,15 @@ pub fn holdout_split(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usi
     (train, idx)
 }
 
+/// Moves a seeded `fraction` of `examples` out (as [`holdout_split`] picks them) and returns
+/// it; the rest stay, in order.
+pub fn split_off_held_out<T: Clone>(examples: &mut Vec<T>, fraction: f64, seed: u64) -> Vec<T> {
+    let (keep, held) = holdout_split(examples.len(), fraction, seed);
+    let held: Vec<T> = held.iter().map(|&i| examples[i].clone()).collect();
+    *examples = keep.iter().map(|&i| examples[i].clone()).collect();
+    held
+}
+
 /// How examples become global batches.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchPlan {

@@ -11,7 +11,8 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, HfConfig, Rope, RopeScaling};
 use super::layers::{
-    activate, causal_attention, qkv_projection, CausalMask, Embedding, KvCache, Linear, RmsNorm,
+    activate, causal_attention, fused_projection, qkv_projection, CausalMask, Embedding, KvCache,
+    Linear, RmsNorm,
 };
 use super::{run_stack, Boundary, EncoderInputs};
 
@@ -191,11 +192,12 @@ impl LlamaLayer {
             (k, v) = cache.extend(layer, k, v);
         }
         let ctx = causal_attention(&q, &k, &v, mask, self.attention_dropout, train); // (B, T, H*D)
-        let x = x + self.o_proj.forward(&ctx);
+        let x = x + self.o_proj.forward_t(&ctx, train);
         let h = self.post_attention_layernorm.forward(&x);
-        let gated =
-            activate(self.activation, &self.gate_proj.forward(&h)) * self.up_proj.forward(&h);
-        &x + self.down_proj.forward(&gated)
+        // gate_proj and up_proj as one GEMM.
+        let gate_up = fused_projection(&h, &[&self.gate_proj, &self.up_proj], train);
+        let gated = activate(self.activation, &gate_up[0]) * &gate_up[1];
+        &x + self.down_proj.forward_t(&gated, train)
     }
 }
 

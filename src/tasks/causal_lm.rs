@@ -14,7 +14,7 @@ use tch::{Kind, Reduction};
 
 use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
 use crate::config::{Config, DataConfig};
-use crate::data::batching::{batch_labels, holdout_split, Feature, Target};
+use crate::data::batching::{batch_labels, split_off_held_out, Feature, Target};
 use crate::data::chat::{validate_messages, ChatTemplate};
 use crate::data::tokenizer::load_untruncated;
 use crate::models::{HfConfig, Labels, ModelOutput};
@@ -145,10 +145,7 @@ impl LmData {
             stream_holdout = files.eval_split;
             Vec::new()
         } else if files.eval_split > 0.0 {
-            let (keep, held) = holdout_split(train.len(), files.eval_split, config.runtime.seed);
-            let held: Vec<LmExample> = held.iter().map(|&i| train[i].clone()).collect();
-            train = keep.iter().map(|&i| train[i].clone()).collect();
-            held
+            split_off_held_out(&mut train, files.eval_split, config.runtime.seed)
         } else {
             Vec::new()
         };

@@ -10,7 +10,7 @@ use tch::Kind;
 
 use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
 use crate::config::{Config, DataConfig, ModelConfig};
-use crate::data::batching::{holdout_split, Feature, Target};
+use crate::data::batching::{split_off_held_out, Feature, Target};
 use crate::data::classification::{self, Example, LabelKind, ReadOptions};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
 use crate::metrics;
@@ -55,10 +55,7 @@ impl SeqClsData {
         let eval = if let Some(path) = &files.eval {
             classification::load_examples(path, &options, regression, Some(&labels))?.0
         } else if files.eval_split > 0.0 {
-            let (keep, held) = holdout_split(train.len(), files.eval_split, config.runtime.seed);
-            let held: Vec<Example> = held.iter().map(|&i| train[i].clone()).collect();
-            train = keep.iter().map(|&i| train[i].clone()).collect();
-            held
+            split_off_held_out(&mut train, files.eval_split, config.runtime.seed)
         } else {
             Vec::new()
         };
