@@ -389,6 +389,9 @@ impl Dist {
             std::thread::sleep(Duration::from_secs(5));
             std::process::exit(3);
         });
+        // Give the launcher time to forward the line above: an abort (ours, or another rank's
+        // a moment later) ends its output forwarding, and the line could be lost with it.
+        std::thread::sleep(Duration::from_millis(500));
         if self.jobs.is_some() {
             // SAFETY: MPI is initialised (a world of several processes) and not finalised:
             // the MPI thread is still inside the collective.
