@@ -201,6 +201,16 @@ def model_inputs(arch, enc):
     return {k: enc[k] for k in keys}
 
 
+def save_model(model, tok, out_dir: Path, **kwargs):
+    """The model and tokenizer.json as save_pretrained writes them, without the side files
+    sprtrain does not read (tokenizer_config.json, special_tokens_map.json,
+    generation_config.json)."""
+    model.save_pretrained(out_dir, **kwargs)
+    tok.save_pretrained(out_dir)
+    for extra in ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]:
+        (out_dir / extra).unlink(missing_ok=True)
+
+
 def make_case(arch: str, head: str, tok):
     name = f"{arch}-{head}"
     out_dir = OUT / "parity" / name
@@ -243,10 +253,7 @@ def make_case(arch: str, head: str, tok):
     for n in grad_names:
         ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
 
-    model.save_pretrained(out_dir, **({"max_shard_size": "40KB"} if name == "bert-seq-cls-single" else {}))
-    tok.save_pretrained(out_dir)
-    for extra in ["tokenizer_config.json", "special_tokens_map.json"]:
-        (out_dir / extra).unlink(missing_ok=True)
+    save_model(model, tok, out_dir, **({"max_shard_size": "40KB"} if name == "bert-seq-cls-single" else {}))
     if name == "bert-qa":
         # Stored with the legacy LayerNorm names older checkpoints use.
         st = load_file(out_dir / "model.safetensors")
@@ -332,10 +339,7 @@ def training_reference(tok):
     cfg.hidden_dropout_prob = 0.0
     cfg.attention_probs_dropout_prob = 0.0
     model = AutoModelForSequenceClassification.from_config(cfg)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    for extra in ["tokenizer_config.json", "special_tokens_map.json"]:
-        (out_dir / extra).unlink(missing_ok=True)
+    save_model(model, tok, out_dir)
     model.train()
     decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or "LayerNorm" in n)]
     no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or "LayerNorm" in n]
@@ -630,10 +634,7 @@ def make_decoder_case(arch: str, head: str, tok):
     params = dict(model.named_parameters())
     for n in grad_names:
         ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    for extra in ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]:
-        (out_dir / extra).unlink(missing_ok=True)
+    save_model(model, tok, out_dir)
     save_file(ref, out_dir / "reference.safetensors")
     meta = {"arch": arch, "head": head, "grad_params": grad_names, "keys": sorted(load_keys(out_dir))}
     if head == "causal-lm":
@@ -658,10 +659,7 @@ def decoder_training_reference(tok):
     shutil.rmtree(out_dir, ignore_errors=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(decoder_config("llama", len(tok)))
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    for extra in ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]:
-        (out_dir / extra).unlink(missing_ok=True)
+    save_model(model, tok, out_dir)
     model.train()
     no_decay = lambda n: "bias" in n or "norm" in n
     hp = {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 3, "steps": 20, "max_grad_norm": 1.0, "batch_size": 4,
@@ -820,6 +818,11 @@ def lora_reference():
     (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
     for d in ("initial", "final"):
         (out_dir / d / "README.md").unlink(missing_ok=True)
+        # PEFT keeps target_modules as a set: written in hash order, which varies per run.
+        config_path = out_dir / d / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["target_modules"] = sorted(config["target_modules"])
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     print(f"lora: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 

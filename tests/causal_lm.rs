@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixtures, ok, sprtrain, RunConfig};
+use common::{eval_results, fixtures, ok, sprtrain, RunConfig};
 use serde_json::Value;
 use sprtrain::data::chat::ChatTemplate;
 use sprtrain::generate::{generate, Sampling};
@@ -145,10 +145,6 @@ fn lm_config(dir: &Path, train: &Path, name: &str) -> RunConfig {
     .set("runtime.seed", 5)
 }
 
-fn results(out: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(out.join("eval_results.json")).unwrap()).unwrap()
-}
-
 /// Text packed into blocks: the held-out end of the text gets a perplexity that training
 /// lowers; without packing, one line per sequence trains too.
 #[test]
@@ -169,8 +165,8 @@ fn causal_lm_training_lowers_held_out_perplexity() {
         .write(&tmp.path().join("after.toml"));
     ok(sprtrain().arg("--config").arg(&after).output().unwrap());
     let (b, a) = (
-        results(&tmp.path().join("before")),
-        results(&tmp.path().join("after")),
+        eval_results(&tmp.path().join("before")),
+        eval_results(&tmp.path().join("after")),
     );
     let (pb, pa) = (
         b["eval_perplexity"].as_f64().unwrap(),
@@ -214,7 +210,7 @@ fn instruction_tuning_scores_completions_only() {
         .set("data.eval_split", 0.25)
         .write(&tmp.path().join("pairs.toml"));
     ok(sprtrain().arg("--config").arg(&cfg).output().unwrap());
-    let r = results(&tmp.path().join("pairs"));
+    let r = eval_results(&tmp.path().join("pairs"));
     // Scored per held-out example: the tokens of " Paris" and end-of-sequence, nothing of the
     // prompt.
     let tok =
@@ -297,7 +293,7 @@ fn chat_smoke_config_trains() {
         ])
         .output()
         .unwrap());
-    let r = results(&out);
+    let r = eval_results(&out);
     eprintln!("{r}");
     assert!(r["eval_loss"].as_f64().unwrap() < 1.5, "{r}");
     let reply = ok(sprtrain()

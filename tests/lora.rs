@@ -119,6 +119,19 @@ fn lora_runs_save_peft_adapters_and_merge() {
     }
     let saved = read_adapter(&out).unwrap();
     assert_eq!(saved.spec.target_modules, ["q_proj", "v_proj"]);
+    // `sprtrain eval` loads the adapter onto the config's base model.
+    let evaluated = tmp.path().join("evaluated");
+    ok(sprtrain()
+        .args(["eval", "--config"])
+        .arg(&config)
+        .args(["--set", "data.eval_split=0.25", "--output"])
+        .arg(&evaluated)
+        .output()
+        .unwrap());
+    let loss = common::eval_results(&evaluated)["eval_loss"]
+        .as_f64()
+        .unwrap();
+    assert!(loss.is_finite() && loss < 6.0, "{loss}");
     assert_eq!(saved.tensors.len(), 2 * 2 * 2);
     // Resuming from the step-6 checkpoint ends where the uninterrupted run ended.
     let resumed_out = tmp.path().join("resumed");

@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data, rank_pid,
-    require_mpirun, run_ok, weights,
+    eval_results, logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data,
+    rank_pid, require_mpirun, run_ok, weights,
 };
 use serde_json::Value;
 
@@ -72,11 +72,7 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         eprintln!("{name}: final weights max abs difference {wmax:e}");
         assert!(wmax <= 1e-5, "{name}: weights differ by {wmax}");
         // Evaluation sharded over two ranks and gathered equals one rank's.
-        let results = |o: &Path| -> Value {
-            serde_json::from_str(&std::fs::read_to_string(o.join("eval_results.json")).unwrap())
-                .unwrap()
-        };
-        let (e1, e2) = (results(&out1), results(&out2));
+        let (e1, e2) = (eval_results(&out1), eval_results(&out2));
         assert_eq!(e1["eval_accuracy"], e2["eval_accuracy"], "{e1} vs {e2}");
         let dl = (e1["eval_loss"].as_f64().unwrap() - e2["eval_loss"].as_f64().unwrap()).abs();
         eprintln!(
@@ -137,12 +133,7 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
     let wmax = max_weight_diff(&weights(&out1), &weights(&out2));
     eprintln!("causal LM: final weights max abs difference {wmax:e}");
     assert!(wmax <= 1e-5);
-    let eval = |o: &Path| -> f64 {
-        let v: Value =
-            serde_json::from_str(&std::fs::read_to_string(o.join("eval_results.json")).unwrap())
-                .unwrap();
-        v["eval_loss"].as_f64().unwrap()
-    };
+    let eval = |o: &Path| eval_results(o)["eval_loss"].as_f64().unwrap();
     assert!((eval(&out1) - eval(&out2)).abs() <= 1e-5);
 
     // LoRA: only the adapters' gradients cross the wire (q_proj and v_proj of 2 layers, r 4:

@@ -143,7 +143,7 @@ impl Gpt2Model {
         let positions =
             Tensor::arange_start(start, start + t, (Kind::Int64, ids.device())).unsqueeze(0);
         let mut x = self.wte.forward(ids) + self.wpe.forward(&positions);
-        let mask = CausalMask::after_cache(start, t, ids.device());
+        let mask = CausalMask::after_cache(start, t, None, ids.device());
         for (i, block) in self.h.iter().enumerate() {
             x = block.forward(&x, &mask, Some((cache, i)), false);
         }

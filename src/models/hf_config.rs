@@ -308,7 +308,7 @@ impl HfConfig {
                     tie_word_embeddings: true,
                     id2label: BTreeMap::new(),
                     problem_type: None,
-                    ..encoder_extras(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
+                    ..family_defaults(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
                 }
             }
             "distilbert" => {
@@ -335,7 +335,7 @@ impl HfConfig {
                     tie_word_embeddings: true,
                     id2label: BTreeMap::new(),
                     problem_type: None,
-                    ..encoder_extras(c.dim, c.n_heads, c.dropout)
+                    ..family_defaults(c.dim, c.n_heads, c.dropout)
                 }
             }
             "gpt2" => gpt2_config(serde_json::from_value(raw.clone())?)?,
@@ -436,8 +436,9 @@ impl HfConfig {
 pub const SUPPORTED_MODEL_TYPES: &str =
     "bert, distilbert, roberta, gpt2, llama, mistral, qwen2, qwen3";
 
-/// The fields an encoder family does not set itself.
-fn encoder_extras(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
+/// The values every family starts from (encoders' choices: learned positions, biases
+/// everywhere, MHA), which each family's keys then override.
+fn family_defaults(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
     HfConfig {
         arch: Arch::Bert,
         vocab_size: 0,
@@ -497,7 +498,7 @@ fn gpt2_config(c: Gpt2Keys) -> Result<HfConfig> {
         initializer_range: c.initializer_range,
         classifier_dropout: 0.0,
         embedding_dropout: c.embd_pdrop,
-        ..encoder_extras(c.n_embd, heads, c.resid_pdrop)
+        ..family_defaults(c.n_embd, heads, c.resid_pdrop)
     })
 }
 
@@ -562,7 +563,7 @@ fn llama_config(model_type: &str, c: LlamaKeys, raw: &serde_json::Value) -> Resu
         mlp_bias: c.mlp_bias && arch == Arch::Llama,
         qk_norm: arch == Arch::Qwen3,
         sliding_window,
-        ..encoder_extras(hidden, heads, 0.0)
+        ..family_defaults(hidden, heads, 0.0)
     })
 }
 

@@ -219,11 +219,20 @@ impl Linear {
 
     /// The layer's output; `train` drops out the LoRA input in training.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
-        let y = linear(x, &self.weight, self.bias.as_ref());
-        match &self.lora {
-            Some(l) => y + l.delta(x, train),
-            None => y,
-        }
+        with_lora(
+            linear(x, &self.weight, self.bias.as_ref()),
+            &self.lora,
+            x,
+            train,
+        )
+    }
+}
+
+/// `y`, a layer's output on `x`, plus the layer's LoRA update if it has one.
+fn with_lora(y: Tensor, lora: &Option<LoraAdapter>, x: &Tensor, train: bool) -> Tensor {
+    match lora {
+        Some(l) => y + l.delta(x, train),
+        None => y,
     }
 }
 
@@ -263,11 +272,12 @@ impl Conv1D {
     }
 
     pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
-        let y = linear(x, &self.weight.tr(), Some(&self.bias));
-        match &self.lora {
-            Some(l) => y + l.delta(x, train),
-            None => y,
-        }
+        with_lora(
+            linear(x, &self.weight.tr(), Some(&self.bias)),
+            &self.lora,
+            x,
+            train,
+        )
     }
 }
 
@@ -309,12 +319,9 @@ pub fn fused_projection(x: &Tensor, layers: &[&Linear], train: bool) -> Vec<Tens
     let parts = fused.split_with_sizes(sizes, -1);
     // LoRA updates apply to their own layer's share.
     parts
-        .iter()
+        .into_iter()
         .zip(layers)
-        .map(|(part, layer)| match &layer.lora {
-            Some(l) => part + l.delta(x, train),
-            None => part.shallow_clone(),
-        })
+        .map(|(part, layer)| with_lora(part, &layer.lora, x, train))
         .collect()
 }
 
@@ -497,31 +504,33 @@ impl CausalMask {
         if !padded && !windowed {
             return CausalMask::Causal;
         }
-        let device = attention_mask.device();
-        let pos = Tensor::arange(t, (Kind::Int64, device));
-        let query = pos.view([t, 1]);
-        let key = pos.view([1, t]);
-        let mut allowed = key.le_tensor(&query); // (T, T)
-        if let Some(w) = window.filter(|_| windowed) {
-            // transformers' sliding window: key > query - window.
-            allowed = allowed.logical_and(&key.gt_tensor(&(&query - w)));
-        }
+        let allowed = Self::allowed(0, t, window, attention_mask.device());
         let keys = attention_mask.ne(0).view([b, 1, 1, t]);
-        CausalMask::Explicit(allowed.view([1, 1, t, t]).logical_and(&keys))
+        CausalMask::Explicit(allowed.logical_and(&keys))
     }
 
-    /// The mask of `t` new queries after `cached` cached positions (generation, no padding).
-    pub fn after_cache(cached: i64, t: i64, device: tch::Device) -> Self {
+    /// The mask of `t` new queries after `cached` cached positions (generation, no padding),
+    /// the sliding window of `window` tokens applying to cached keys too.
+    pub fn after_cache(cached: i64, t: i64, window: Option<i64>, device: tch::Device) -> Self {
+        let windowed = window.is_some_and(|w| cached + t > w);
         match (cached, t) {
+            _ if windowed => CausalMask::Explicit(Self::allowed(cached, t, window, device)),
             (0, _) => CausalMask::Causal,
             (_, 1) => CausalMask::All,
-            _ => {
-                let query = Tensor::arange_start(cached, cached + t, (Kind::Int64, device));
-                let key = Tensor::arange(cached + t, (Kind::Int64, device));
-                let allowed = key.view([1, -1]).le_tensor(&query.view([-1, 1]));
-                CausalMask::Explicit(allowed.view([1, 1, t, cached + t]))
-            }
+            _ => CausalMask::Explicit(Self::allowed(cached, t, None, device)),
         }
+    }
+
+    /// (1, 1, T, start + T) booleans: query `start + i` sees keys up to itself and, with a
+    /// window, after `query - window` (transformers' sliding window).
+    fn allowed(start: i64, t: i64, window: Option<i64>, device: tch::Device) -> Tensor {
+        let query = Tensor::arange_start(start, start + t, (Kind::Int64, device)).view([-1, 1]);
+        let key = Tensor::arange(start + t, (Kind::Int64, device)).view([1, -1]);
+        let mut allowed = key.le_tensor(&query);
+        if let Some(w) = window {
+            allowed = allowed.logical_and(&key.gt_tensor(&(&query - w)));
+        }
+        allowed.view([1, 1, t, start + t])
     }
 }
 

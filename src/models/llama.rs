@@ -259,17 +259,7 @@ impl LlamaModel {
         let start = cache.len;
         let mut x = self.embed_tokens.forward(ids);
         let rope = self.rotary.tables(start, t);
-        // The window applies to cached keys too: with a full window, recompute the mask.
-        let mask = match self.sliding_window {
-            Some(w) if start + t > w => {
-                let query = Tensor::arange_start(start, start + t, (Kind::Int64, ids.device()));
-                let key = Tensor::arange(start + t, (Kind::Int64, ids.device()));
-                let (qv, kv) = (query.view([-1, 1]), key.view([1, -1]));
-                let allowed = kv.le_tensor(&qv).logical_and(&kv.gt_tensor(&(&qv - w)));
-                CausalMask::Explicit(allowed.view([1, 1, t, start + t]))
-            }
-            _ => CausalMask::after_cache(start, t, ids.device()),
-        };
+        let mask = CausalMask::after_cache(start, t, self.sliding_window, ids.device());
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, &rope, &mask, Some((cache, i)), false);
         }

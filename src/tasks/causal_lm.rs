@@ -258,11 +258,15 @@ impl LmTokenizer {
 /// run_clm.py's group_texts: all tokens in one stream, cut into blocks of `block` tokens
 /// starting every `stride` tokens (`block`: disjoint blocks, the remainder dropped).
 pub fn pack(features: &[Feature], block: usize, stride: usize) -> Vec<Feature> {
-    let stream: Vec<i64> = features
+    blocks(&stream(features), block, stride)
+}
+
+/// Every feature's tokens, one after another.
+fn stream(features: &[Feature]) -> Vec<i64> {
+    features
         .iter()
         .flat_map(|f| f.input_ids.iter().copied())
-        .collect();
-    blocks(&stream, block, stride)
+        .collect()
 }
 
 fn blocks(stream: &[i64], block: usize, stride: usize) -> Vec<Feature> {
@@ -322,11 +326,7 @@ impl TaskData for LmData {
         };
         let block = options.max_seq_len;
         let (train, eval) = if self.stream_holdout > 0.0 {
-            let texts = features("training", &self.train)?;
-            let stream: Vec<i64> = texts
-                .iter()
-                .flat_map(|f| f.input_ids.iter().copied())
-                .collect();
+            let stream = stream(&features("training", &self.train)?);
             let cut = ((stream.len() as f64) * (1.0 - self.stream_holdout)).round() as usize;
             (
                 blocks(&stream[..cut], block, self.stride),

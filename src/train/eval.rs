@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::data::batching::{batch_labels, collate};
 use crate::dist::Dist;
 use crate::hf_files::CONFIG_FILE;
-use crate::models::TaskModel;
+use crate::models::{lora, TaskModel};
 use crate::tasks::{self, EvalSet};
 
 /// Where evaluation results go in an output directory.
@@ -88,7 +88,8 @@ pub fn evaluate_saved(
         let root = dist.is_root();
         let default_dir = PathBuf::from(&config.train.output_dir);
         let dir = model_dir.unwrap_or(&default_dir);
-        if !dir.join(CONFIG_FILE).is_file() {
+        // A LoRA run saves adapters only; they load onto the config's base model.
+        if !dir.join(CONFIG_FILE).is_file() && !lora::is_adapter_dir(dir) {
             bail!(
                 "no model in {} (no {CONFIG_FILE}): train first, or pass --model DIR",
                 dir.display()

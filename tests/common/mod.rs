@@ -340,6 +340,11 @@ pub fn mpi_config(
     (path, out)
 }
 
+/// A run's eval_results.json.
+pub fn eval_results(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("eval_results.json")).unwrap()).unwrap()
+}
+
 /// How many training-loss records a run has logged so far.
 pub fn logged_steps(out: &Path) -> usize {
     std::fs::read_to_string(out.join("metrics.jsonl"))
