@@ -44,7 +44,9 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
+    DataCollatorForLanguageModeling,
     AutoModelForCausalLM,
     BertConfig,
     DistilBertConfig,
@@ -54,7 +56,11 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     PreTrainedTokenizerFast,
+    DebertaV2Config,
+    ElectraConfig,
+    ModernBertConfig,
     RobertaConfig,
+    XLMRobertaConfig,
 )
 
 assert transformers.__version__ == "5.23.0", f"need transformers 5.23.0, have {transformers.__version__}"
@@ -128,10 +134,40 @@ def tiny_config(arch: str, vocab_size: int, **labels):
     if arch == "bert":
         return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=48, max_position_embeddings=64, type_vocab_size=2, hidden_act="gelu", **labels)
+    if arch == "deberta-v2":
+        # v3's layout: relative attention with log buckets (8 buckets, so distances past 4 are
+        # bucketed in these short batches), shared q/k projections for positions, no absolute
+        # positions, LayerNorm on the relative table.
+        return DebertaV2Config(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=48, max_position_embeddings=64, type_vocab_size=0, hidden_act="gelu",
+                               relative_attention=True, position_buckets=8, max_relative_positions=16,
+                               pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True,
+                               position_biased_input=False, **labels)
+    if arch == "deberta-v2-own":
+        # v2's older layout: own position projections, unbucketed distances clipped at 6,
+        # absolute positions and token types added, embeddings narrower than the hidden size.
+        return DebertaV2Config(vocab_size=vocab_size, hidden_size=32, embedding_size=16, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                               type_vocab_size=2, hidden_act="gelu", relative_attention=True, max_relative_positions=6,
+                               pos_att_type="c2p|p2c", share_att_key=False, position_biased_input=True, **labels)
+    if arch.startswith("modernbert"):
+        # Three layers: global, local, local; a window of 8 (4 each side), narrower than the
+        # batch. The tiny WordPiece tokenizer's specials.
+        return ModernBertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                num_attention_heads=4, max_position_embeddings=64, local_attention=8,
+                                global_attn_every_n_layers=3, pad_token_id=0, cls_token_id=2, sep_token_id=3,
+                                bos_token_id=2, eos_token_id=3,
+                                classifier_pooling="mean" if arch == "modernbert-mean" else "cls", **labels)
+    if arch == "electra":
+        # Embeddings narrower than the hidden size, so embeddings_project is exercised.
+        return ElectraConfig(vocab_size=vocab_size, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=48, max_position_embeddings=64, type_vocab_size=2,
+                             hidden_act="gelu", **labels)
     if arch == "distilbert":
         return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
                                 max_position_embeddings=64, activation="gelu", **labels)
-    return RobertaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config_class = XLMRobertaConfig if arch == "xlm-roberta" else RobertaConfig
+    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=48, max_position_embeddings=66, type_vocab_size=1, hidden_act="gelu_new",
                          pad_token_id=1, bos_token_id=0, eos_token_id=2, **labels)
 
@@ -144,6 +180,7 @@ HEADS = {
     "qa": (AutoModelForQuestionAnswering, {}),
     "mlm": (AutoModelForMaskedLM, {}),
     "mlm-untied": (AutoModelForMaskedLM, {"tie_word_embeddings": False}),
+    "token-cls": (AutoModelForTokenClassification, {"num_labels": 5}),
 }
 
 GRAD_PARAMS = {
@@ -154,6 +191,20 @@ GRAD_PARAMS = {
     "roberta": ["embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight",
                 "encoder.layer.1.output.LayerNorm.weight"],
 }
+GRAD_PARAMS["xlm-roberta"] = GRAD_PARAMS["roberta"]
+GRAD_PARAMS["electra"] = ["embeddings.word_embeddings.weight", "embeddings_project.weight",
+                          "encoder.layer.0.attention.self.query.weight", "encoder.layer.1.output.LayerNorm.weight"]
+GRAD_PARAMS["deberta-v2"] = ["embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query_proj.weight",
+                             "encoder.rel_embeddings.weight", "encoder.LayerNorm.weight"]
+GRAD_PARAMS["deberta-v2-own"] = ["embeddings.embed_proj.weight", "embeddings.position_embeddings.weight",
+                                 "encoder.layer.0.attention.self.pos_key_proj.weight",
+                                 "encoder.layer.1.attention.self.pos_query_proj.weight", "encoder.rel_embeddings.weight"]
+GRAD_PARAMS["modernbert"] = ["embeddings.tok_embeddings.weight", "layers.0.attn.Wqkv.weight", "layers.2.mlp.Wi.weight",
+                             "layers.1.attn_norm.weight", "final_norm.weight"]
+GRAD_PARAMS["modernbert-mean"] = GRAD_PARAMS["modernbert"]
+# Task checkpoints keep the backbone under the base model prefix.
+BASE_PREFIX = {"xlm-roberta": "roberta", "deberta-v2": "deberta", "deberta-v2-own": "deberta", "modernbert": "model",
+               "modernbert-mean": "model"}
 HEAD_PARAMS = {
     ("bert", "seq-cls"): ["classifier.weight", "bert.pooler.dense.weight"],
     ("distilbert", "seq-cls"): ["classifier.weight", "pre_classifier.weight"],
@@ -162,7 +213,26 @@ HEAD_PARAMS = {
     ("bert", "mlm"): ["cls.predictions.transform.dense.weight", "cls.predictions.bias"],
     ("distilbert", "mlm"): ["vocab_transform.weight", "vocab_projector.bias"],
     ("roberta", "mlm"): ["lm_head.dense.weight", "lm_head.bias"],
+    ("bert", "token"): ["classifier.weight"], ("distilbert", "token"): ["classifier.weight"],
+    ("roberta", "token"): ["classifier.weight"],
 }
+HEAD_PARAMS.update({("xlm-roberta", kind): names for (arch, kind), names in list(HEAD_PARAMS.items()) if arch == "roberta"})
+HEAD_PARAMS.update({
+    ("electra", "seq-cls"): ["classifier.out_proj.weight", "classifier.dense.weight"],
+    ("electra", "qa"): ["qa_outputs.weight"],
+    ("electra", "mlm"): ["generator_predictions.dense.weight", "generator_lm_head.bias"],
+    ("electra", "token"): ["classifier.weight"],
+    ("deberta-v2", "seq-cls"): ["classifier.weight", "pooler.dense.weight"],
+    ("deberta-v2-own", "seq-cls"): ["classifier.weight", "pooler.dense.weight"],
+    ("deberta-v2", "qa"): ["qa_outputs.weight"],
+    ("deberta-v2", "mlm"): ["cls.predictions.transform.dense.weight", "cls.predictions.bias"],
+    ("deberta-v2", "token"): ["classifier.weight"],
+    ("modernbert", "seq-cls"): ["classifier.weight", "head.dense.weight"],
+    ("modernbert-mean", "seq-cls"): ["classifier.weight", "head.dense.weight"],
+    ("modernbert", "qa"): ["classifier.weight", "head.norm.weight"],
+    ("modernbert", "mlm"): ["head.dense.weight", "decoder.bias"],
+    ("modernbert", "token"): ["classifier.weight", "head.norm.weight"],
+})
 
 
 def encode(tok, head: str, arch: str):
@@ -188,6 +258,12 @@ def labels_for(head: str, enc, cfg, gen):
     if head == "qa":
         # The last row's answer lies outside the sequence: clamped to T and ignored.
         return torch.tensor([3, 4, t + 5]), torch.tensor([5, 4, t + 9])
+    if head == "token-cls":
+        # A tag per token; specials (first position) and padding unscored.
+        y = torch.randint(0, cfg.num_labels, (b, t), generator=gen)
+        y[enc["attention_mask"] == 0] = -100
+        y[:, 0] = -100
+        return y
     if head.startswith("mlm"):
         y = torch.full((b, t), -100)
         y[:, 1] = enc["input_ids"][:, 1]
@@ -242,14 +318,14 @@ def make_case(arch: str, head: str, tok):
     elif head != "base":
         ref["logits"] = out.logits.detach().contiguous()
         ref["labels"] = labels.contiguous()
-    prefix = "" if head == "base" else f"{arch}."
+    prefix = "" if head == "base" else f"{BASE_PREFIX.get(arch, arch)}."
     head_kind = "seq-cls" if head.startswith("seq-cls") else head.split("-")[0]
     grad_names = [prefix + n for n in GRAD_PARAMS[arch]] + HEAD_PARAMS.get((arch, head_kind), [])
     if head == "mlm-untied":
         # Untied, transformers 5 uses the decoder's own weight and bias; cls.predictions.bias is unused.
         grad_names = [g for g in grad_names if g != "cls.predictions.bias"]
         grad_names += ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     for n in grad_names:
         ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
 
@@ -263,7 +339,8 @@ def make_case(arch: str, head: str, tok):
     meta = {"arch": arch, "head": head, "grad_params": grad_names, "keys": sorted(load_keys(out_dir))}
     (out_dir / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
 
-    if head in ("seq-cls-single", "seq-cls-multi", "seq-cls-regression", "qa"):
+    # (AutoTokenizer would load XLM-RoBERTa's fixture, a BPE tokenizer, as its Unigram class.)
+    if head in ("seq-cls-single", "seq-cls-multi", "seq-cls-regression", "qa") and arch not in ("xlm-roberta", "electra", "deberta-v2", "deberta-v2-own", "modernbert", "modernbert-mean"):
         write_predict_reference(out_dir, arch, head, model, tok)
     print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters")
 
@@ -374,6 +451,141 @@ def training_reference(tok):
     save_file(ref, out_dir / "reference.safetensors")
     (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
     print(f"train_parity: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+SEQEVAL_HANDWRITTEN = [
+    ["B-PER", "I-PER", "O", "B-LOC"],
+    ["I-PER", "I-PER", "O", "I-LOC", "B-LOC"],
+    ["B-PER", "I-LOC", "I-LOC", "E-LOC", "O"],
+    ["S-ORG", "B-MISC", "E-MISC", "E-MISC", "I-MISC", "S-MISC"],
+    ["O", "E-PER", "I-PER", "B-PER", "B-PER"],
+    ["B-creative-work", "I-creative-work", "I-product", "B-product"],
+    ["B", "I", "O", "I", "B-X", "I-X"],
+    ["O", "O", "O"],
+    ["I-A", "B-A", "I-B", "E-B", "S-B", "S-A", "O", "I-A"],
+]
+
+
+def seqeval_reference():
+    """seqeval 1.2.2's default-mode entities and scores on tricky tag sequences: hand-written
+    edge cases and seeded random IOB1/IOB2/IOBES mixes (ill-formed ones included)."""
+    from seqeval.metrics import accuracy_score, classification_report
+    from seqeval.metrics.sequence_labeling import get_entities
+
+    gen = torch.Generator().manual_seed(11)
+    tags = ["O", "B-PER", "I-PER", "E-PER", "S-PER", "B-LOC", "I-LOC", "E-LOC", "S-LOC", "B-ORG", "I-ORG"]
+    pairs = [(SEQEVAL_HANDWRITTEN, [list(reversed(s)) for s in SEQEVAL_HANDWRITTEN])]
+    for n in range(20):
+        k = 4 + n % 9
+        gold, pred = [], []
+        for _ in range(1 + n % 3):
+            idx = torch.randint(0, len(tags), (k,), generator=gen).tolist()
+            gold.append([tags[i] for i in idx])
+            # The prediction: the gold tags with about 40% replaced at random.
+            flip = torch.rand(k, generator=gen) < 0.4
+            other = torch.randint(0, len(tags), (k,), generator=gen).tolist()
+            pred.append([tags[o] if f else tags[i] for i, o, f in zip(idx, other, flip.tolist())])
+        pairs.append((gold, pred))
+    out = []
+    for gold, pred in pairs:
+        # Predictions the same shape as the gold sequences.
+        pred = [p[: len(g)] + ["O"] * (len(g) - len(p)) for g, p in zip(gold, pred)]
+        report = classification_report(gold, pred, output_dict=True, zero_division=0)
+        scores = {"precision": report["micro avg"]["precision"], "recall": report["micro avg"]["recall"],
+                  "f1": report["micro avg"]["f1-score"], "accuracy": accuracy_score(gold, pred)}
+        for kind, row in report.items():
+            if kind.endswith(" avg"):
+                continue
+            scores[f"{kind}_precision"], scores[f"{kind}_recall"] = row["precision"], row["recall"]
+            scores[f"{kind}_f1"], scores[f"{kind}_number"] = row["f1-score"], row["support"]
+        entities = [[list(e) for e in get_entities(s)] for s in gold]
+        scores = {k: float(v) for k, v in scores.items()}
+        out.append({"gold": gold, "predicted": pred, "scores": scores, "gold_entities": entities})
+    (OUT / "seqeval").mkdir(parents=True, exist_ok=True)
+    (OUT / "seqeval" / "cases.json").write_text(json.dumps(out, indent=0) + "\n")
+    print(f"seqeval: {len(out)} cases")
+
+
+def mlm_training_reference(tok):
+    """20 optimizer steps of run_mlm.py's recipe on a tiny BERT, dropout off: batches masked
+    by transformers' DataCollatorForLanguageModeling (15%, 80/10/10, seeded), AdamW, linear
+    schedule with warmup, clipping at 1.0. Records the masked batches, the losses, and the
+    collator's masking statistics over many batches."""
+    out_dir = OUT / "train_parity_mlm"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    torch.manual_seed(0)
+    cfg = tiny_config("bert", len(tok))
+    cfg.hidden_dropout_prob = 0.0
+    cfg.attention_probs_dropout_prob = 0.0
+    model = AutoModelForMaskedLM.from_config(cfg)
+    save_model(model, tok, out_dir)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or "LayerNorm" in n)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or "LayerNorm" in n]
+    hp = {"lr": 1e-3, "weight_decay": 0.01, "warmup_steps": 2, "steps": 20, "max_grad_norm": 1.0, "batch_size": 4}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, hp["warmup_steps"], hp["steps"])
+    collator = DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=7)
+    gen = torch.Generator().manual_seed(5)
+    texts = CORPUS + [a for a, _ in PAIRS] + [q for q, _ in QA]
+    ref, losses, lrs = {}, [], []
+    for step in range(hp["steps"]):
+        idx = torch.randint(0, len(texts), (hp["batch_size"],), generator=gen).tolist()
+        batch = collator([tok(texts[i], truncation=True, max_length=24) for i in idx])
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        out = model(**{k: batch[k] for k in ["input_ids", "attention_mask", "token_type_ids", "labels"]})
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["max_grad_norm"])
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        for k in ["input_ids", "attention_mask", "token_type_ids", "labels"]:
+            ref[f"{k}.{step}"] = batch[k].contiguous()
+    ref["losses"] = torch.tensor(losses, dtype=torch.float64)
+    ref["lrs"] = torch.tensor(lrs, dtype=torch.float64)
+    ref["final.cls.predictions.transform.dense.weight"] = model.cls.predictions.transform.dense.weight.detach().contiguous()
+    ref["final.bert.encoder.layer.1.output.dense.weight"] = model.bert.encoder.layer[1].output.dense.weight.detach().contiguous()
+    save_file(ref, out_dir / "reference.safetensors")
+    # The collator's statistics over 4,000 copies of the corpus.
+    plain = [tok(t)["input_ids"] for t in texts] * 200
+    masked = collator([{"input_ids": ids} for ids in plain])
+    original = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in plain], batch_first=True,
+                                               padding_value=tok.pad_token_id)
+    special = torch.tensor([[1 if i in tok.all_special_ids else 0 for i in row] for row in original.tolist()]).bool()
+    chosen = masked["labels"] != -100
+    stats = {
+        "maskable": int((~special).sum()),
+        "chosen": int(chosen.sum()),
+        "replaced_by_mask": int((chosen & (masked["input_ids"] == tok.mask_token_id)).sum()),
+        "kept": int((chosen & (masked["input_ids"] == original)).sum()),
+        "special_chosen": int((chosen & special).sum()),
+    }
+    hp["collator_stats"] = stats
+    (out_dir / "reference.json").write_text(json.dumps(hp, indent=1) + "\n")
+    print(f"train_parity_mlm: losses {losses[0]:.4f} -> {losses[-1]:.4f}, collator {stats}")
+
+
+def encoder_task_fixtures():
+    """Token classification heads, seqeval, and masked-LM training."""
+    (OUT / "parity").mkdir(parents=True, exist_ok=True)
+    tokenizers_by_arch = {"bert": wordpiece_tokenizer(), "distilbert": wordpiece_tokenizer(), "roberta": bpe_tokenizer()}
+    for arch, tok in tokenizers_by_arch.items():
+        make_case(arch, "token-cls", tok)
+    # XLM-RoBERTa (RoBERTa's architecture under its own names) and ELECTRA, with every head.
+    for head in HEADS:
+        if head != "mlm-untied":
+            make_case("xlm-roberta", head, tokenizers_by_arch["roberta"])
+            make_case("electra", head, tokenizers_by_arch["bert"])
+            make_case("deberta-v2", head, tokenizers_by_arch["bert"])
+            make_case("modernbert", head, tokenizers_by_arch["bert"])
+    for head in ["base", "seq-cls-single"]:
+        make_case("deberta-v2-own", head, tokenizers_by_arch["bert"])
+    make_case("modernbert-mean", "seq-cls-single", tokenizers_by_arch["bert"])
+    seqeval_reference()
+    mlm_training_reference(tokenizers_by_arch["bert"])
 
 
 def data_fixtures():
@@ -631,7 +843,7 @@ def make_decoder_case(arch: str, head: str, tok):
         grad_names.append("model.layers.0.self_attn.q_norm.weight")
     if arch == "qwen2":
         grad_names.append("model.layers.0.self_attn.v_proj.bias")
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     for n in grad_names:
         ref[f"grad.{n}"] = params[n].grad.detach().contiguous()
     save_model(model, tok, out_dir)
@@ -842,7 +1054,14 @@ def main():
     parser.add_argument("--qa-reference", type=Path, help="directory with utils_qa.py, evaluate-v1.1.py, evaluate-v2.0.py")
     parser.add_argument("--only-qa", action="store_true", help="write the question-answering fixtures only")
     parser.add_argument("--only-decoders", action="store_true", help="write the decoder fixtures only")
+    parser.add_argument("--only-encoder-tasks", action="store_true",
+                        help="write the token-classification, seqeval and masked-LM fixtures only")
     args = parser.parse_args()
+    if args.only_encoder_tasks:
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
+        encoder_task_fixtures()
+        return
     if args.only_decoders:
         torch.use_deterministic_algorithms(True)
         torch.set_num_threads(1)
@@ -865,9 +1084,12 @@ def main():
         for head in HEADS:
             if head == "mlm-untied" and arch != "bert":
                 continue  # one untied decoder suffices: the three heads share the code path
+            if head == "token-cls":
+                continue  # encoder_task_fixtures makes them
             make_case(arch, head, tok)
     minilm_reference()
     training_reference(tokenizers_by_arch["bert"])
+    encoder_task_fixtures()
     decoder_fixtures()
     chat_fixtures()
     lora_reference()

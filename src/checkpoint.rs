@@ -38,6 +38,17 @@ pub struct TrainerState {
     pub layout: Vec<(String, i64)>,
     /// Metric history: one entry per logged or evaluated step.
     pub log_history: Vec<serde_json::Value>,
+    /// The best value of `eval.metric_for_best_model` so far, the step it was reached at and
+    /// that step's checkpoint (with `train.load_best_model_at_end`).
+    #[serde(default)]
+    pub best_metric: Option<f64>,
+    #[serde(default)]
+    pub best_global_step: Option<usize>,
+    #[serde(default)]
+    pub best_model_checkpoint: Option<PathBuf>,
+    /// Evaluations in a row that did not improve the metric enough (early stopping).
+    #[serde(default)]
+    pub early_stopping_patience_counter: usize,
 }
 
 impl TrainerState {
@@ -51,6 +62,10 @@ impl TrainerState {
             optimizer_step: 0,
             layout,
             log_history: Vec::new(),
+            best_metric: None,
+            best_global_step: None,
+            best_model_checkpoint: None,
+            early_stopping_patience_counter: 0,
         }
     }
 }
@@ -195,7 +210,9 @@ pub fn save_final(output_dir: &Path, files: &ModelFiles) -> Result<()> {
     write_model_files(output_dir, files)
 }
 
-/// Writes `checkpoint-STEP` atomically and removes the oldest beyond `keep` (0 keeps all).
+/// Writes `checkpoint-STEP` atomically and removes the oldest beyond `keep` (0 keeps all),
+/// never the state's best checkpoint nor the newest (so `keep` 1 can leave two, as
+/// transformers' rotation does).
 pub fn save_checkpoint(
     output_dir: &Path,
     files: &ModelFiles,
@@ -203,7 +220,7 @@ pub fn save_checkpoint(
     moments: &[(String, Tensor)],
     keep: usize,
 ) -> Result<PathBuf> {
-    let final_dir = output_dir.join(format!("{PREFIX}{}", state.global_step));
+    let final_dir = checkpoint_dir(output_dir, state.global_step);
     let tmp = output_dir.join(format!(".{PREFIX}{}.partial", state.global_step));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
@@ -230,12 +247,26 @@ pub fn save_checkpoint(
     }
     if keep > 0 {
         let all = list_checkpoints(output_dir)?;
-        for (_, old) in all.iter().take(all.len().saturating_sub(keep)) {
+        let best = state.best_global_step;
+        let mut excess = all.len().saturating_sub(keep);
+        for (step, old) in &all[..all.len() - 1] {
+            if excess == 0 {
+                break;
+            }
+            if Some(*step) == best {
+                continue;
+            }
             std::fs::remove_dir_all(old)
                 .with_context(|| format!("cannot remove {}", old.display()))?;
+            excess -= 1;
         }
     }
     Ok(final_dir)
+}
+
+/// Where the checkpoint of `step` goes.
+pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!("{PREFIX}{step}"))
 }
 
 /// Complete checkpoints in `output_dir`, oldest first.
@@ -304,6 +335,18 @@ pub fn resume(
         total_steps,
         ..saved
     })
+}
+
+/// Puts the weights saved in checkpoint `dir` (the full model, or a LoRA run's adapters) into
+/// `vs`: the best model, brought back at the end of training.
+pub fn load_weights(dir: &Path, vs: &tch::nn::VarStore, model: &TaskModel) -> Result<()> {
+    if model.config.lora.is_some() {
+        lora::load_adapter(vs, &lora::read_adapter(dir)?)
+    } else {
+        let ckpt = crate::models::weights::read_checkpoint(dir)?;
+        crate::models::weights::load_checkpoint(vs, model, ckpt).map(|_| ())
+    }
+    .with_context(|| format!("cannot load the best model from {}", dir.display()))
 }
 
 /// Resolves `--resume latest|PATH` against the output directory.

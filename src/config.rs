@@ -145,17 +145,27 @@ pub use crate::data::classification::DataFormat;
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
     /// Training file: CSV, TSV, JSON Lines or Parquet (questions: SQuAD JSON, flat JSON, JSON
-    /// Lines or Parquet); or `hf://datasets/OWNER/NAME[@REVISION]/PATH`.
+    /// Lines or Parquet); or `hf://datasets/OWNER/NAME[@REVISION]/PATH`; or
+    /// `hf://datasets/OWNER/NAME[@REVISION]`, the file of `dataset_config`'s
+    /// `train_split_name` split, found in the repository as the `datasets` library finds it.
     pub train_file: String,
     /// Evaluation file (same forms); empty to hold out `eval_split` of the training file instead.
     pub eval_file: String,
     /// Fraction of the training file held out for evaluation when `eval_file` is empty
     /// (a seeded shuffle, of whole articles for questions; 0 = no evaluation data).
     pub eval_split: f64,
+    /// Hub data sets named without a file: the config (e.g. "mrpc" of "nyu-mll/glue"); empty
+    /// for the default one.
+    pub dataset_config: String,
+    /// Hub data sets named without a file: the split `train_file` reads ...
+    pub train_split_name: String,
+    /// ... and the split `eval_file` reads.
+    pub eval_split_name: String,
     /// A local file used instead when train_file or eval_file is on the Hub and the Hub cannot
     /// be reached: training data, with eval_split (or else 0.2) of it held out; empty = fail.
     pub offline_fallback_file: String,
-    /// "auto" (from the extension), "csv", "tsv", "jsonl" or "parquet".
+    /// "auto" (from the extension), "csv", "tsv", "jsonl", "parquet", or "conll" (token
+    /// classification: its "auto" reads .jsonl/.json as JSON Lines and anything else as CoNLL).
     pub format: DataFormat,
     /// Whether CSV/TSV files start with a header row; without one, columns are 0-based indices.
     pub has_header: bool,
@@ -173,9 +183,10 @@ pub struct DataConfig {
     pub pad_to_max_length: bool,
     /// Batch examples of similar length together (fewer pad tokens; order still seeded).
     pub group_by_length: bool,
-    /// Causal LM on texts: concatenate them and cut blocks of model.max_seq_len tokens
-    /// (run_clm.py's group_texts; the held-out part is the end of the stream); false = one
-    /// text per sequence, truncated.
+    /// Language modelling on texts: concatenate them and cut blocks of model.max_seq_len
+    /// tokens (run_clm.py's and run_mlm.py's group_texts; the held-out part is the end of the
+    /// stream); false = one text per sequence, truncated (masked LM: run_mlm.py's
+    /// line_by_line, blank lines skipped).
     pub packing: bool,
     /// Packing: tokens between the starts of consecutive training blocks; 0 = the block length
     /// (disjoint blocks, as run_clm.py). Smaller strides train on overlapping windows at more
@@ -188,6 +199,18 @@ pub struct DataConfig {
     /// Chat tuning: JSON field with a list of {role, content} messages, rendered with the
     /// tokenizer's chat template; the loss is on the last (assistant) message.
     pub messages_column: String,
+    /// Token classification, JSON Lines: field with the list of words ...
+    pub tokens_column: String,
+    /// ... and field with their tags (names, or ids into `label_names`).
+    pub tags_column: String,
+    /// Token classification: label every sub-token of a word (B- tags become I- after the
+    /// first) instead of the first only (run_ner.py's `label_all_tokens`).
+    pub label_all_tokens: bool,
+    /// Masked LM: the share of tokens chosen for prediction (run_mlm.py's mlm_probability).
+    pub mlm_probability: f64,
+    /// Masked LM: choose whole words (a token and the WordPiece "##" tokens continuing it)
+    /// instead of single tokens.
+    pub whole_word_mask: bool,
 }
 
 impl Default for DataConfig {
@@ -196,6 +219,9 @@ impl Default for DataConfig {
             train_file: String::new(),
             eval_file: String::new(),
             eval_split: 0.0,
+            dataset_config: String::new(),
+            train_split_name: "train".into(),
+            eval_split_name: "validation".into(),
             offline_fallback_file: String::new(),
             format: DataFormat::Auto,
             has_header: true,
@@ -211,6 +237,11 @@ impl Default for DataConfig {
             prompt_column: "prompt".into(),
             completion_column: "completion".into(),
             messages_column: "messages".into(),
+            tokens_column: "tokens".into(),
+            tags_column: "ner_tags".into(),
+            label_all_tokens: false,
+            mlm_probability: 0.15,
+            whole_word_mask: false,
         }
     }
 }
@@ -257,8 +288,15 @@ pub struct TrainConfig {
     pub logging_steps: usize,
     /// Save a checkpoint every this many optimizer steps; 0 = only at the end.
     pub save_steps: usize,
-    /// Keep at most this many checkpoints (oldest removed first); 0 = keep all.
+    /// Keep at most this many checkpoints (oldest removed first, never the best with
+    /// `load_best_model_at_end`); 0 = keep all.
     pub save_total_limit: usize,
+    /// Save a checkpoint at every evaluation and make the final model the one that scored
+    /// best on `eval.metric_for_best_model` (its evaluation is the final eval_results.json).
+    pub load_best_model_at_end: bool,
+    /// Where metrics go besides metrics.jsonl: ["tensorboard"] writes TensorBoard event files
+    /// into `output_dir`/runs; [] = nowhere else.
+    pub report_to: Vec<String>,
 }
 
 impl Default for TrainConfig {
@@ -284,6 +322,8 @@ impl Default for TrainConfig {
             logging_steps: 10,
             save_steps: 500,
             save_total_limit: 0,
+            load_best_model_at_end: false,
+            report_to: Vec::new(),
         }
     }
 }
@@ -306,6 +346,17 @@ pub struct EvalConfig {
     pub steps: usize,
     /// Examples per evaluation forward pass.
     pub batch_size: usize,
+    /// The metric that picks the best model (`train.load_best_model_at_end`) and drives early
+    /// stopping, with or without its `eval_` prefix (e.g. "f1", "accuracy", "loss").
+    pub metric_for_best_model: String,
+    /// Whether a larger metric is better; unset: true, unless the metric is a loss.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub greater_is_better: Option<bool>,
+    /// Stop training after this many evaluations in a row without improving the metric by
+    /// more than `early_stopping_threshold` (transformers' EarlyStoppingCallback); 0 = never.
+    pub early_stopping_patience: usize,
+    /// The improvement an evaluation must exceed to count for early stopping.
+    pub early_stopping_threshold: f64,
 }
 
 impl Default for EvalConfig {
@@ -314,7 +365,36 @@ impl Default for EvalConfig {
             strategy: EvalStrategy::Epoch,
             steps: 500,
             batch_size: 64,
+            metric_for_best_model: "loss".into(),
+            greater_is_better: None,
+            early_stopping_patience: 0,
+            early_stopping_threshold: 0.0,
         }
+    }
+}
+
+impl EvalConfig {
+    /// The metric's key in evaluation results (`eval_` prefixed).
+    pub fn best_metric_key(&self) -> String {
+        let m = &self.metric_for_best_model;
+        if m.starts_with("eval_") {
+            m.clone()
+        } else {
+            format!("eval_{m}")
+        }
+    }
+
+    /// Whether `candidate` is better than `best` by more than `threshold`.
+    pub fn improves(&self, candidate: f64, best: f64, threshold: f64) -> bool {
+        let greater = self
+            .greater_is_better
+            .unwrap_or(!self.metric_for_best_model.ends_with("loss"));
+        let better = if greater {
+            candidate > best
+        } else {
+            candidate < best
+        };
+        better && (candidate - best).abs() > threshold
     }
 }
 
@@ -326,8 +406,8 @@ pub struct ModelConfig {
     pub name_or_path: String,
     /// Hub revision (branch, tag or commit hash); ignored for local directories.
     pub revision: String,
-    /// Head to train: "seq-cls", "qa", "mlm" or "causal-lm" (decoders: gpt2, llama, mistral, qwen2,
-    /// qwen3).
+    /// Head to train: "seq-cls", "token-cls", "qa", "mlm" (encoders) or "causal-lm" (decoders:
+    /// gpt2, llama, mistral, qwen2, qwen3).
     pub task: TaskName,
     /// Labels of a new classification head; 0 keeps config.json's count.
     pub num_labels: usize,
@@ -370,6 +450,10 @@ pub enum TaskName {
     #[serde(rename = "seq-cls")]
     #[value(name = "seq-cls")]
     SeqCls,
+    /// Token classification, e.g. named entities (`*ForTokenClassification`).
+    #[serde(rename = "token-cls")]
+    #[value(name = "token-cls")]
+    TokenCls,
     /// Extractive question answering (`*ForQuestionAnswering`).
     #[serde(rename = "qa")]
     #[value(name = "qa")]
@@ -390,6 +474,7 @@ impl TaskName {
     pub fn head(self) -> Head {
         match self {
             TaskName::SeqCls => Head::SequenceClassification,
+            TaskName::TokenCls => Head::TokenClassification,
             TaskName::Qa => Head::QuestionAnswering,
             TaskName::Mlm => Head::MaskedLm,
             TaskName::CausalLm => Head::CausalLm,
@@ -560,6 +645,20 @@ impl Config {
         }
         if self.dist.bucket_mb.is_nan() || self.dist.bucket_mb <= 0.0 {
             bail!("dist.bucket_mb: must be positive");
+        }
+        for target in &self.train.report_to {
+            if !matches!(target.as_str(), "tensorboard" | "none") {
+                bail!("train.report_to: {target:?} is not supported (\"tensorboard\" is)");
+            }
+        }
+        let e = &self.eval;
+        if (self.train.load_best_model_at_end || e.early_stopping_patience > 0)
+            && e.strategy == EvalStrategy::No
+        {
+            bail!("train.load_best_model_at_end and eval.early_stopping_patience need evaluations during training: set eval.strategy to \"steps\" or \"epoch\"");
+        }
+        if e.early_stopping_threshold < 0.0 {
+            bail!("eval.early_stopping_threshold: must not be negative");
         }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size: must be at least 1");

@@ -277,7 +277,7 @@ impl Dist {
     /// Joins the world: MPI when a launcher started us, else a world of one.
     pub fn init(collective_timeout_s: f64) -> Result<Dist> {
         let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
-        let host = hostname();
+        let host = crate::sysinfo::hostname();
         if !launched_by_mpi() {
             let topo = Topology {
                 rank: 0,
@@ -311,7 +311,8 @@ impl Dist {
                     world: comms.world.size() as usize,
                     local_rank: comms.node.rank() as usize,
                     local_size: comms.node.size() as usize,
-                    host: mpi::environment::processor_name().unwrap_or_else(|_| hostname()),
+                    host: mpi::environment::processor_name()
+                        .unwrap_or_else(|_| crate::sysinfo::hostname()),
                 };
                 let _ = topo_tx.send(Ok(topo));
                 let several_nodes = comms.node.size() < comms.world.size();
@@ -567,12 +568,6 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 /// The fp32 value of a bf16 bit pattern (exact).
 fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into())
 }
 
 #[cfg(test)]

@@ -119,36 +119,147 @@ fn download(spec: &str, revision: &str, repo: Repo) -> Result<PathBuf> {
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
 }
 
-/// A data file: a local path, or `hf://datasets/OWNER/NAME[@REVISION]/PATH` fetched into (or,
-/// offline, read from) the HF cache.
-pub fn resolve_data_file(spec: &str) -> Result<PathBuf> {
+/// Which part of a Hub data set a bare `hf://datasets/OWNER/NAME` names.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitChoice<'a> {
+    /// The config (`data.dataset_config`); empty for the default one.
+    pub config: &'a str,
+    pub split: &'a str,
+}
+
+/// A data file: a local path; `hf://datasets/OWNER/NAME[@REVISION]/PATH`; or
+/// `hf://datasets/OWNER/NAME[@REVISION]`, the file of `choice`'s config and split in the
+/// repository (see `dataset_repo`). Hub files are fetched into (or, offline, read from) the
+/// HF cache.
+pub fn resolve_data_file(spec: &str, choice: SplitChoice) -> Result<PathBuf> {
     let Some(rest) = spec.strip_prefix("hf://datasets/") else {
         return Ok(PathBuf::from(spec));
     };
     let mut parts = rest.splitn(3, '/');
     let (owner, name_rev, file) = match (parts.next(), parts.next(), parts.next()) {
-        (Some(o), Some(n), Some(f)) if !o.is_empty() && !n.is_empty() && !f.is_empty() => (o, n, f),
-        _ => bail!("{spec}: expected hf://datasets/OWNER/NAME[@REVISION]/PATH"),
+        (Some(o), Some(n), f) if !o.is_empty() && !n.is_empty() => (o, n, f.unwrap_or("")),
+        _ => bail!("{spec}: expected hf://datasets/OWNER/NAME[@REVISION][/PATH]"),
     };
     let (name, revision) = name_rev.split_once('@').unwrap_or((name_rev, "main"));
+    if [owner, name].iter().any(|p| *p == "." || *p == "..") || file.split('/').any(|p| p == "..") {
+        bail!("{spec}: a Hub path cannot contain \"..\"");
+    }
     let repo_id = format!("{owner}/{name}");
     let repo = Repo::with_revision(repo_id.clone(), RepoType::Dataset, revision.to_string());
-    if hub_offline() {
-        let cache = Cache::from_env();
-        return cache.repo(repo).get(file).with_context(|| {
-            format!(
-                "{spec}: not in the Hugging Face cache at {} and HF_HUB_OFFLINE is set",
-                cache.path().display()
-            )
-        });
+    let source = DatasetSource::new(repo)?;
+    let file = if file.is_empty() {
+        let listing = source.listing()?;
+        let readme = listing
+            .iter()
+            .any(|f| f == "README.md")
+            .then(|| source.get("README.md"))
+            .transpose()?
+            .map(|p| std::fs::read_to_string(&p).unwrap_or_default());
+        let found = crate::dataset_repo::split_files(
+            &listing,
+            readme.as_deref(),
+            choice.config,
+            choice.split,
+        )
+        .with_context(|| spec.to_string())?;
+        match found.as_slice() {
+            [one] => one.clone(),
+            [] => bail!(
+                "{spec}: no file of split {:?} (config {:?})",
+                choice.split,
+                choice.config
+            ),
+            many => bail!(
+                "{spec}: split {:?} is {} files ({}); sprtrain reads one file per split: name it as hf://datasets/{repo_id}/PATH",
+                choice.split,
+                many.len(),
+                many.join(", ")
+            ),
+        }
+    } else {
+        file.to_string()
+    };
+    source.get(&file).with_context(|| spec.to_string())
+}
+
+/// A data set repository: the Hub, or offline the cache's snapshot of the revision.
+enum DatasetSource {
+    Hub(hf_hub::api::sync::ApiRepo),
+    Cache { cache: Cache, repo: Repo },
+}
+
+impl DatasetSource {
+    fn new(repo: Repo) -> Result<Self> {
+        if hub_offline() {
+            return Ok(DatasetSource::Cache {
+                cache: Cache::from_env(),
+                repo,
+            });
+        }
+        let api = ApiBuilder::from_env()
+            .with_progress(false)
+            .build()
+            .context("cannot set up the Hugging Face Hub client")?;
+        Ok(DatasetSource::Hub(api.repo(repo)))
     }
-    let api = ApiBuilder::from_env()
-        .with_progress(false)
-        .build()
-        .context("cannot set up the Hugging Face Hub client")?;
-    api.repo(repo).get(file).with_context(|| {
-        format!("cannot download {spec} from the Hugging Face Hub; offline, set HF_HUB_OFFLINE=1 to use the cache, or use a local file")
-    })
+
+    /// Every file path of the repository at the revision.
+    fn listing(&self) -> Result<Vec<String>> {
+        match self {
+            DatasetSource::Hub(api) => Ok(api
+                .info()
+                .context("cannot list the data set's files on the Hugging Face Hub; offline, set HF_HUB_OFFLINE=1 to use the cache")?
+                .siblings
+                .into_iter()
+                .map(|s| s.rfilename)
+                .collect()),
+            DatasetSource::Cache { cache, repo } => {
+                let root = cache.path().join(repo.folder_name());
+                let revision = repo.revision();
+                let commit = std::fs::read_to_string(root.join("refs").join(revision))
+                    .map(|s| s.trim().to_string())
+                    .unwrap_or_else(|_| revision.to_string());
+                let snapshot = root.join("snapshots").join(&commit);
+                if !snapshot.is_dir() {
+                    bail!(
+                        "not in the Hugging Face cache at {} (no snapshot of revision {revision}) and HF_HUB_OFFLINE is set",
+                        cache.path().display()
+                    );
+                }
+                let mut files = Vec::new();
+                list_dir(&snapshot, &snapshot, &mut files)?;
+                files.sort();
+                Ok(files)
+            }
+        }
+    }
+
+    fn get(&self, file: &str) -> Result<PathBuf> {
+        match self {
+            DatasetSource::Hub(api) => api.get(file).with_context(|| {
+                format!("cannot download {file} from the Hugging Face Hub; offline, set HF_HUB_OFFLINE=1 to use the cache, or use a local file")
+            }),
+            DatasetSource::Cache { cache, repo } => cache.repo(repo.clone()).get(file).with_context(|| {
+                format!(
+                    "{file}: not in the Hugging Face cache at {} and HF_HUB_OFFLINE is set",
+                    cache.path().display()
+                )
+            }),
+        }
+    }
+}
+
+/// The files under `dir`, as paths relative to `root` with `/` separators.
+fn list_dir(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            list_dir(root, &path, out)?;
+        } else if let Ok(rel) = path.strip_prefix(root) {
+            out.push(rel.to_string_lossy().replace('\\', "/"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

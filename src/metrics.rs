@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+pub mod seqeval;
 pub mod squad;
 
 /// Fraction of predictions equal to the labels.

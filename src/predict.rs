@@ -28,8 +28,8 @@ pub struct PredictArgs {
     /// Hub revision (branch, tag or commit).
     #[arg(long, default_value = "main")]
     pub revision: String,
-    /// The head to run: seq-cls (fields `text`, optional `text_pair`) or qa (fields
-    /// `question`, `context`).
+    /// The head to run: seq-cls (fields `text`, optional `text_pair`), token-cls (`text`, split
+    /// into words at whitespace, or a `tokens` list of words) or qa (`question`, `context`).
     #[arg(long, value_enum)]
     pub task: TaskName,
     /// Input JSON Lines file.
@@ -56,6 +56,40 @@ struct Example {
     id: Option<Value>,
     first: String,
     second: Option<String>,
+    /// Token classification: the words with their character spans in `first`.
+    words: Vec<Word>,
+}
+
+/// A word of a token-classification input and where it sits in the text (characters).
+struct Word {
+    text: String,
+    start: usize,
+    end: usize,
+}
+
+/// The words of `text` between whitespace, with their character spans.
+fn split_words(text: &str) -> Vec<Word> {
+    let mut words = Vec::new();
+    let mut current: Option<Word> = None;
+    for (i, c) in text.chars().enumerate() {
+        match (&mut current, c.is_whitespace()) {
+            (Some(w), false) => {
+                w.text.push(c);
+                w.end = i + 1;
+            }
+            (None, false) => {
+                current = Some(Word {
+                    text: c.to_string(),
+                    start: i,
+                    end: i + 1,
+                })
+            }
+            (Some(_), true) => words.extend(current.take()),
+            (None, true) => {}
+        }
+    }
+    words.extend(current);
+    words
 }
 
 fn field(obj: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Option<String>> {
@@ -85,8 +119,43 @@ fn read_examples(path: &Path, task: TaskName) -> Result<Vec<Example>> {
             TaskName::Qa => ("question", "context", true),
             _ => ("text", "text_pair", false),
         };
-        let first = field(obj, first_key, &at)?
-            .with_context(|| format!("{at}: missing field {first_key:?}"))?;
+        let given_words = match obj.get("tokens") {
+            Some(Value::Array(list)) if task == TaskName::TokenCls => Some(
+                list.iter()
+                    .map(|w| w.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                    .with_context(|| format!("{at}: field \"tokens\" must hold strings"))?,
+            ),
+            _ => None,
+        };
+        let first = match (field(obj, first_key, &at)?, &given_words) {
+            (Some(text), _) => text,
+            // Given words stand for the text they make joined by spaces.
+            (None, Some(words)) => words.join(" "),
+            (None, None) if task == TaskName::TokenCls => {
+                bail!("{at}: missing field \"text\" (or a \"tokens\" list)")
+            }
+            (None, None) => bail!("{at}: missing field {first_key:?}"),
+        };
+        let words = match (task, given_words) {
+            (TaskName::TokenCls, Some(given)) => {
+                let mut start = 0;
+                given
+                    .into_iter()
+                    .map(|text| {
+                        let end = start + text.chars().count();
+                        let w = Word { text, start, end };
+                        start = end + 1;
+                        w
+                    })
+                    .collect()
+            }
+            (TaskName::TokenCls, None) => split_words(&first),
+            _ => Vec::new(),
+        };
+        if task == TaskName::TokenCls && words.is_empty() {
+            bail!("{at}: no words to tag");
+        }
         let second = field(obj, second_key, &at)?;
         if second_required && second.is_none() {
             bail!("{at}: missing field {second_key:?}");
@@ -95,6 +164,7 @@ fn read_examples(path: &Path, task: TaskName) -> Result<Vec<Example>> {
             id: obj.get("id").cloned(),
             first,
             second,
+            words,
         });
     }
     if out.is_empty() {
@@ -178,6 +248,62 @@ fn qa_record(start: Vec<f32>, end: Vec<f32>, enc: &tokenizers::Encoding, context
     rec
 }
 
+/// Token classification: each word's tag (that of its first token; null for words cut off by
+/// truncation) and the entities they make, with character spans and the mean probability of
+/// their words' tags.
+fn tagging_record(
+    probs: &Tensor,
+    enc: &tokenizers::Encoding,
+    ex: &Example,
+    config: &models::HfConfig,
+) -> Result<Value> {
+    let (best_p, best) = probs.max_dim(-1, false);
+    let best = Vec::<i64>::try_from(best)?;
+    let best_p = Vec::<f32>::try_from(best_p)?;
+    let mut tags: Vec<Option<(String, f32)>> = vec![None; ex.words.len()];
+    let mut previous = None;
+    for (t, w) in enc.get_word_ids().iter().enumerate() {
+        if let Some(w) = *w {
+            if previous != Some(w) {
+                let name = config
+                    .id2label
+                    .get(&(best[t] as usize))
+                    .cloned()
+                    .unwrap_or_else(|| format!("LABEL_{}", best[t]));
+                tags[w as usize] = Some((name, best_p[t]));
+            }
+        }
+        previous = *w;
+    }
+    let names: Vec<&str> = tags
+        .iter()
+        .map(|t| t.as_ref().map_or("O", |(n, _)| n.as_str()))
+        .collect();
+    let entities: Vec<Value> = crate::metrics::seqeval::entities(&names)
+        .into_iter()
+        .map(|(kind, first, last)| {
+            let (start, end) = (ex.words[first].start, ex.words[last].end);
+            let score = tags[first..=last]
+                .iter()
+                .map(|t| t.as_ref().map_or(0.0, |(_, p)| *p))
+                .sum::<f32>()
+                / (last + 1 - first) as f32;
+            json!({
+                "type": kind,
+                "text": ex.first.chars().skip(start).take(end - start).collect::<String>(),
+                "start": start,
+                "end": end,
+                "score": score,
+            })
+        })
+        .collect();
+    Ok(json!({
+        "words": ex.words.iter().map(|w| w.text.as_str()).collect::<Vec<_>>(),
+        "tags": tags.iter().map(|t| t.as_ref().map(|(n, _)| n)).collect::<Vec<_>>(),
+        "entities": entities,
+    }))
+}
+
 /// Runs the command; returns the number of examples written.
 pub fn run(args: &PredictArgs) -> Result<usize> {
     if args.batch_size == 0 {
@@ -185,7 +311,7 @@ pub fn run(args: &PredictArgs) -> Result<usize> {
     }
     let task = args.task;
     match task {
-        TaskName::Mlm => bail!("--task mlm: predict runs seq-cls or qa heads"),
+        TaskName::Mlm => bail!("--task mlm: predict runs seq-cls, token-cls or qa heads"),
         TaskName::CausalLm => {
             bail!("--task causal-lm: use `sprtrain generate` for language models")
         }
@@ -249,7 +375,15 @@ fn predict_batch(
         .iter()
         .map(|e| (e.first.clone(), e.second.clone()))
         .collect();
-    let encodings = tokenizer.encode_batch(&texts)?;
+    let encodings = if task == TaskName::TokenCls {
+        let words: Vec<Vec<String>> = chunk
+            .iter()
+            .map(|e| e.words.iter().map(|w| w.text.clone()).collect())
+            .collect();
+        tokenizer.encode_words_batch(&words)?
+    } else {
+        tokenizer.encode_batch(&texts)?
+    };
     let features: Vec<Feature> = encodings
         .iter()
         .map(|e| Feature::from_encoding(e, Target::Class(0)))
@@ -269,6 +403,10 @@ fn predict_batch(
                 let start = to_vec(&s.get(row as i64).narrow(0, 0, real))?;
                 let end = to_vec(&e.get(row as i64).narrow(0, 0, real))?;
                 qa_record(start, end, enc, ex.second.as_deref().unwrap_or_default())
+            }
+            TaskName::TokenCls => {
+                let probs = output.logits.get(row as i64).softmax(-1, Kind::Float); // (T, L)
+                tagging_record(&probs, enc, ex, &model.config)?
             }
             _ => classification_record(to_vec(&output.logits.get(row as i64))?, &model.config),
         };

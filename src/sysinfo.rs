@@ -147,6 +147,13 @@ pub fn report() -> String {
     s
 }
 
+/// This machine's host name (the UTS namespace's, so each simulated node has its own).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -83,41 +83,39 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
     }
 }
 
-/// Causal-LM training (the tiny Llama: grouped-query attention, rotary positions) on packed
-/// text is data-parallel like the encoders: 2 ranks equal 1 rank with 2-fold accumulation,
-/// per-step losses and final weights within 1e-5, and the held-out loss agrees.
-#[test]
-fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
-    let Some(mpirun) = require_mpirun() else {
-        return;
-    };
+/// Trains a language model on 120 lines of text as 2 ranks and as 1 rank with 2-fold
+/// accumulation; checks per-step losses and final weights within 1e-5, a falling loss and
+/// the same held-out loss. Returns the text's directory and a config writer for more runs.
+fn lm_two_ranks_equal_one_rank(
+    mpirun: &str,
+    model: &Path,
+    task: &str,
+) -> (tempfile::TempDir, impl Fn(&str, i64) -> (PathBuf, PathBuf)) {
     let tmp = tempfile::tempdir().unwrap();
     let text = tmp.path().join("train.txt");
     let lines: String = (0..120)
         .map(|i| format!("line {i}: the cat sat on the mat {} times\n", i % 7))
         .collect();
     std::fs::write(&text, lines).unwrap();
-    let config = |name: &str, accum: i64| {
-        let out = tmp.path().join(name);
-        let path = common::RunConfig::new(
-            &common::fixtures().join("parity").join("llama-causal-lm"),
-            &text,
-            &out,
-        )
-        .set("model.task", "causal-lm")
-        .set("data.eval_split", 0.1)
-        .set("train.max_steps", 12)
-        .set("train.batch_size", 3)
-        .set("train.gradient_accumulation_steps", accum)
-        .set("train.learning_rate", 3e-3)
-        .set("train.warmup_steps", 2)
-        .set("runtime.threads", 0)
-        .set("runtime.seed", 3)
-        .write(&tmp.path().join(format!("{name}.toml")));
+    let dir = tmp.path().to_path_buf();
+    let (model, task_name) = (model.to_path_buf(), task.to_string());
+    let config = move |name: &str, accum: i64| {
+        let out = dir.join(name);
+        let path = common::RunConfig::new(&model, &text, &out)
+            .set("model.task", task_name.as_str())
+            .set("data.eval_split", 0.1)
+            .set("train.max_steps", 12)
+            .set("train.batch_size", 3)
+            .set("train.gradient_accumulation_steps", accum)
+            .set("train.learning_rate", 3e-3)
+            .set("train.warmup_steps", 2)
+            .set("runtime.threads", 0)
+            .set("runtime.seed", 3)
+            .write(&dir.join(format!("{name}.toml")));
         (path, out)
     };
     let (c2, out2) = config("two-ranks", 1);
-    let mut cmd = Command::new(&mpirun);
+    let mut cmd = Command::new(mpirun);
     cmd.args(["-n", "2", BIN, "--config"]).arg(&c2);
     run_ok(cmd);
     let (c1, out1) = config("accumulation", 2);
@@ -128,13 +126,25 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
     assert_eq!(l1.len(), 12);
     assert!(l1[0] - l1[11] > 0.1, "the loss must fall: {l1:?}");
     let worst = max_rel_diff(&l1, &l2);
-    eprintln!("causal LM: per-step loss max relative difference {worst:e}");
+    eprintln!("{task}: per-step loss max relative difference {worst:e}");
     assert!(worst <= 1e-5, "{l1:?} vs {l2:?}");
     let wmax = max_weight_diff(&weights(&out1), &weights(&out2));
-    eprintln!("causal LM: final weights max abs difference {wmax:e}");
+    eprintln!("{task}: final weights max abs difference {wmax:e}");
     assert!(wmax <= 1e-5);
     let eval = |o: &Path| eval_results(o)["eval_loss"].as_f64().unwrap();
     assert!((eval(&out1) - eval(&out2)).abs() <= 1e-5);
+    (tmp, config)
+}
+
+/// Causal-LM training (the tiny Llama: grouped-query attention, rotary positions) on packed
+/// text is data-parallel like the encoders: 2 ranks equal 1 rank with 2-fold accumulation.
+#[test]
+fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    let llama = common::fixtures().join("parity").join("llama-causal-lm");
+    let (_tmp, config) = lm_two_ranks_equal_one_rank(&mpirun, &llama, "causal-lm");
 
     // LoRA: only the adapters' gradients cross the wire (q_proj and v_proj of 2 layers, r 4:
     // 2 x (4 x 32 + 32 x 4) + 2 x (4 x 32 + 16 x 4) = 896 values), plus the step's two totals.
@@ -154,6 +164,18 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
         sprtrain::dist::allreduce_bytes(896, 4, 2) + sprtrain::dist::allreduce_bytes(2, 8, 2);
     assert_eq!(sent.len(), 12);
     assert!(sent.iter().all(|&b| b == want as f64), "{sent:?} vs {want}");
+}
+
+/// Masked-LM training (the tiny BERT, dropout off): the masks depend on the step and the
+/// example, not on the rank that batches it, so 2 ranks equal 1 rank with 2-fold
+/// accumulation as for every other task.
+#[test]
+fn masked_lm_two_ranks_equal_one_rank_with_accumulation() {
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    let bert = common::fixtures().join("train_parity_mlm");
+    let _ = lm_two_ranks_equal_one_rank(&mpirun, &bert, "mlm");
 }
 
 /// Ranks started with different configs (an MPMD launch, --set on rank 1 only) all stop with an

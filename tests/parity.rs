@@ -1,6 +1,9 @@
 //! Forward, loss and gradient parity with Hugging Face transformers 5.23.0 on tiny random
 //! models of every architecture and head (fixtures from scripts/make_fixtures.py): the
-//! encoders, and the decoders (GPT-2, Llama with GQA and llama3 rope scaling, tied Llama,
+//! encoders (BERT, DistilBERT, RoBERTa, XLM-RoBERTa, ELECTRA with embeddings narrower than its
+//! hidden size, DeBERTa-v3's layout with bucketed relative positions and DeBERTa-v2's with its
+//! own position projections, ModernBERT with global and sliding-window layers; bare, sequence
+//! and token classification, question answering, masked LM), and the decoders (GPT-2, Llama with GQA and llama3 rope scaling, tied Llama,
 //! Mistral with a sliding window, Qwen2 with q/k/v biases, Qwen3 with q/k norms) on a right-padded
 //! batch.
 //!
@@ -26,6 +29,7 @@ fn check_case(name: &str) {
         "base" => Head::Base,
         "qa" => Head::QuestionAnswering,
         "causal-lm" => Head::CausalLm,
+        "token-cls" => Head::TokenClassification,
         h if h.starts_with("mlm") => Head::MaskedLm,
         _ => Head::SequenceClassification,
     };
@@ -70,7 +74,8 @@ fn check_case(name: &str) {
             p.model.loss(&out, &spans).unwrap()
         }
         _ => {
-            let d = max_abs_diff(&out.logits, &r["logits"]);
+            // (DeBERTa returns a one-label regression's logits flattened to (B).)
+            let d = max_abs_diff(&out.logits.reshape(r["logits"].size()), &r["logits"]);
             assert!(d <= FORWARD_TOL, "{name}: logits differ by {d:e}");
             let y = r["labels"].shallow_clone();
             let labels = match head {
@@ -124,6 +129,40 @@ parity_tests! {
     bert_qa_legacy_gamma_beta => "bert-qa",
     bert_mlm => "bert-mlm",
     bert_mlm_untied => "bert-mlm-untied",
+    bert_token_cls => "bert-token-cls",
+    distilbert_token_cls => "distilbert-token-cls",
+    roberta_token_cls => "roberta-token-cls",
+    xlm_roberta_base => "xlm-roberta-base",
+    xlm_roberta_seq_cls_single => "xlm-roberta-seq-cls-single",
+    xlm_roberta_seq_cls_multi => "xlm-roberta-seq-cls-multi",
+    xlm_roberta_seq_cls_regression => "xlm-roberta-seq-cls-regression",
+    xlm_roberta_qa => "xlm-roberta-qa",
+    xlm_roberta_mlm => "xlm-roberta-mlm",
+    xlm_roberta_token_cls => "xlm-roberta-token-cls",
+    electra_base => "electra-base",
+    electra_seq_cls_single => "electra-seq-cls-single",
+    electra_seq_cls_multi => "electra-seq-cls-multi",
+    electra_seq_cls_regression => "electra-seq-cls-regression",
+    electra_qa => "electra-qa",
+    electra_mlm_generator => "electra-mlm",
+    electra_token_cls => "electra-token-cls",
+    deberta_v3_base => "deberta-v2-base",
+    deberta_v3_seq_cls_single => "deberta-v2-seq-cls-single",
+    deberta_v3_seq_cls_multi => "deberta-v2-seq-cls-multi",
+    deberta_v3_seq_cls_regression => "deberta-v2-seq-cls-regression",
+    deberta_v3_qa => "deberta-v2-qa",
+    deberta_v3_mlm_legacy_head => "deberta-v2-mlm",
+    deberta_v3_token_cls => "deberta-v2-token-cls",
+    deberta_v2_own_position_projections_base => "deberta-v2-own-base",
+    deberta_v2_own_position_projections_seq_cls => "deberta-v2-own-seq-cls-single",
+    modernbert_base_global_and_local_layers => "modernbert-base",
+    modernbert_seq_cls_single => "modernbert-seq-cls-single",
+    modernbert_seq_cls_multi => "modernbert-seq-cls-multi",
+    modernbert_seq_cls_regression => "modernbert-seq-cls-regression",
+    modernbert_seq_cls_mean_pooling => "modernbert-mean-seq-cls-single",
+    modernbert_qa => "modernbert-qa",
+    modernbert_mlm => "modernbert-mlm",
+    modernbert_token_cls => "modernbert-token-cls",
     distilbert_base => "distilbert-base",
     distilbert_seq_cls_single => "distilbert-seq-cls-single",
     distilbert_seq_cls_multi => "distilbert-seq-cls-multi",

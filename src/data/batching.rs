@@ -14,7 +14,7 @@ use tch::Tensor;
 use crate::models::{EncoderInputs, Labels};
 
 /// What a feature is trained towards; it also decides the batch's [`Labels`].
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Target {
     /// A class id (single-label classification).
     Class(usize),
@@ -25,6 +25,11 @@ pub enum Target {
     /// Causal LM: every token from position `from` on is a target (the prompt before it is not
     /// scored; 0 for plain text).
     NextTokens { from: usize },
+    /// One label per token, aligned with `input_ids`, -100 where nothing is scored (token
+    /// classification; masked LM once masked).
+    Tokens(Vec<i64>),
+    /// Masked LM before masking: the labels are drawn when the feature is batched.
+    Masked,
 }
 
 /// One tokenized example (or one window of one, in question answering).
@@ -48,8 +53,8 @@ impl Feature {
 
 /// Serialises features for exchange between processes: per feature, u32 length, the ids as
 /// u32, the type ids as u8, then a tag byte and the target: 0 and a u64 class id, 1 and an
-/// f64 value, 2 and two i64 span positions, or 3 and the u64 first scored position
-/// (little-endian).
+/// f64 value, 2 and two i64 span positions, 3 and the u64 first scored position, 4 and one
+/// i32 label per token, or 5 alone (masked LM) (little-endian).
 pub fn encode_features(features: &[Feature]) -> Vec<u8> {
     let mut out = Vec::new();
     for f in features {
@@ -76,6 +81,13 @@ pub fn encode_features(features: &[Feature]) -> Vec<u8> {
                 out.push(3);
                 out.extend((from as u64).to_le_bytes());
             }
+            Target::Tokens(ref labels) => {
+                out.push(4);
+                for &l in labels {
+                    out.extend((l as i32).to_le_bytes());
+                }
+            }
+            Target::Masked => out.push(5),
         }
     }
     out
@@ -109,6 +121,13 @@ pub fn decode_features(bytes: &[u8]) -> Result<Vec<Feature>> {
             3 => Target::NextTokens {
                 from: u64::from_le_bytes(take(bytes, &mut at, 8)?.try_into()?) as usize,
             },
+            4 => Target::Tokens(
+                take(bytes, &mut at, 4 * n)?
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                    .collect(),
+            ),
+            5 => Target::Masked,
             tag => anyhow::bail!("unknown feature target tag {tag}"),
         };
         out.push(Feature {
@@ -240,8 +259,9 @@ pub fn collate(
 }
 
 /// A batch's labels, of the kind its features' targets are: (B) class ids, (B) regression
-/// values, (B) start and (B) end positions, or (B, `seq_len`) token labels (-100 on the prompt
-/// and the padding). An empty batch, or one mixing kinds, is an error.
+/// values, (B) start and (B) end positions, or (B, `seq_len`) token labels (-100 on a prompt,
+/// unscored tokens and the padding). An empty batch, one mixing kinds, or masked-LM features
+/// not yet masked, is an error.
 pub fn batch_labels(features: &[&Feature], seq_len: usize) -> Result<Labels> {
     let (mut classes, mut values, mut starts, mut ends) = (vec![], vec![], vec![], vec![]);
     let mut tokens = Vec::new();
@@ -260,6 +280,13 @@ pub fn batch_labels(features: &[&Feature], seq_len: usize) -> Result<Labels> {
                 }
                 tokens.push(row);
             }
+            Target::Tokens(ref labels) => {
+                let mut row = vec![-100i64; seq_len];
+                let n = labels.len().min(seq_len);
+                row[..n].copy_from_slice(&labels[..n]);
+                tokens.push(row);
+            }
+            Target::Masked => anyhow::bail!("masked-LM features are batched before masking"),
         }
     }
     let n = features.len();
@@ -373,6 +400,16 @@ mod tests {
                 type_ids: vec![0, 0, 0],
                 target: Target::NextTokens { from: 2 },
             },
+            Feature {
+                input_ids: vec![101, 8, 9, 102],
+                type_ids: vec![0; 4],
+                target: Target::Tokens(vec![-100, 3, -100, -100]),
+            },
+            Feature {
+                input_ids: vec![101, 102],
+                type_ids: vec![0; 2],
+                target: Target::Masked,
+            },
         ];
         let back = decode_features(&encode_features(&f)).unwrap();
         assert_eq!(back, f);
@@ -424,6 +461,24 @@ mod tests {
             [-100, 6, 7, -100, 8, 9, -100, -100]
         );
         assert!(batch_labels(&[&prompted, &a], 4).is_err());
+        // Token labels are padded with -100.
+        let tagged = Feature {
+            input_ids: vec![1, 2, 3],
+            type_ids: vec![0; 3],
+            target: Target::Tokens(vec![-100, 4, 0]),
+        };
+        let Labels::Tokens(y) = batch_labels(&[&tagged], 5).unwrap() else {
+            panic!("token labels make token labels")
+        };
+        assert_eq!(
+            Vec::<i64>::try_from(&y.view([-1])).unwrap(),
+            [-100, 4, 0, -100, -100]
+        );
+        let unmasked = Feature {
+            target: Target::Masked,
+            ..tagged
+        };
+        assert!(batch_labels(&[&unmasked], 3).is_err());
     }
 
     #[test]

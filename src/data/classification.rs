@@ -22,6 +22,8 @@ pub enum DataFormat {
     Tsv,
     Jsonl,
     Parquet,
+    /// Token classification's `token ... tag` lines.
+    Conll,
 }
 
 /// How to read a classification file: the `data.*` settings of the same names
@@ -254,20 +256,41 @@ fn read_parquet(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec
 }
 
 /// Bad rows are errors, or, with `skip_bad_rows`, counted and warned about once.
-struct BadRows {
+pub(crate) struct BadRows {
     skip: bool,
     count: usize,
     first: Option<String>,
 }
 
 impl BadRows {
-    fn record(&mut self, e: anyhow::Error) -> Result<()> {
+    pub(crate) fn new(skip: bool) -> Self {
+        BadRows {
+            skip,
+            count: 0,
+            first: None,
+        }
+    }
+
+    /// Fails with `e`, or counts it when skipping.
+    pub(crate) fn record(&mut self, e: anyhow::Error) -> Result<()> {
         if !self.skip {
             return Err(e);
         }
         self.count += 1;
         self.first.get_or_insert_with(|| format!("{e:#}"));
         Ok(())
+    }
+
+    /// Warns once about what was skipped in `path`.
+    pub(crate) fn report(&self, path: &Path, what: &str) {
+        if self.count > 0 {
+            tracing::warn!(
+                "{}: skipped {} bad {what} (first: {})",
+                path.display(),
+                self.count,
+                self.first.as_deref().unwrap_or_default()
+            );
+        }
     }
 }
 
@@ -280,6 +303,9 @@ fn read_raw(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<Raw
         DataFormat::Tsv => read_delimited(path, cfg, b'\t', bad),
         DataFormat::Jsonl => read_jsonl(path, cfg, bad),
         DataFormat::Parquet => read_parquet(path, cfg, bad),
+        DataFormat::Conll => {
+            bail!("data.format \"conll\" is for token classification (model.task \"token-cls\")")
+        }
         DataFormat::Auto => unreachable!("detect_format resolves auto"),
     }
 }
@@ -338,11 +364,7 @@ pub fn load_examples(
     regression: bool,
     kind: Option<&LabelKind>,
 ) -> Result<(Vec<Example>, LabelKind)> {
-    let mut bad = BadRows {
-        skip: cfg.skip_bad_rows,
-        count: 0,
-        first: None,
-    };
+    let mut bad = BadRows::new(cfg.skip_bad_rows);
     let raw = read_raw(path, cfg, &mut bad)?;
     let kind = match kind {
         Some(k) => k.clone(),
@@ -363,14 +385,7 @@ pub fn load_examples(
             Err(e) => bad.record(e)?,
         }
     }
-    if bad.count > 0 {
-        tracing::warn!(
-            "{}: skipped {} bad rows (first: {})",
-            path.display(),
-            bad.count,
-            bad.first.unwrap_or_default()
-        );
-    }
+    bad.report(path, "rows");
     if examples.is_empty() {
         bail!("data file {} holds no examples", path.display());
     }

@@ -3,5 +3,7 @@
 pub mod batching;
 pub mod chat;
 pub mod classification;
+pub mod conll;
+pub mod masking;
 pub mod squad;
 pub mod tokenizer;

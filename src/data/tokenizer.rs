@@ -97,6 +97,21 @@ impl TextTokenizer {
             .map_err(|e| anyhow!("tokenization failed: {e}"))
     }
 
+    /// Encodes sentences already split into words (as `is_split_into_words=True`), in
+    /// parallel; `Encoding::get_word_ids` maps each token back to its word.
+    pub fn encode_words_batch(&self, sentences: &[Vec<String>]) -> Result<Vec<Encoding>> {
+        let inputs: Vec<tokenizers::EncodeInput> = sentences
+            .iter()
+            .map(|words| {
+                let words: Vec<&str> = words.iter().map(String::as_str).collect();
+                tokenizers::InputSequence::from(words).into()
+            })
+            .collect();
+        self.inner
+            .encode_batch_char_offsets(inputs, true)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))
+    }
+
     pub fn pad_id(&self) -> i64 {
         self.pad_id
     }

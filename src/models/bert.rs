@@ -1,8 +1,10 @@
-//! BERT and RoBERTa encoders. RoBERTa is BERT with position ids that start after the padding
-//! index and skip padding, so one implementation serves both.
+//! BERT, RoBERTa (and XLM-RoBERTa) and ELECTRA encoders. RoBERTa is BERT with position ids
+//! that start after the padding index and skip padding; ELECTRA is BERT with embeddings of
+//! their own width projected to the hidden size (`embeddings_project`), so one implementation
+//! serves all.
 //!
-//! Mirrors transformers/models/bert/modeling_bert.py and
-//! transformers/models/roberta/modeling_roberta.py (transformers 5.23.0).
+//! Mirrors transformers/models/bert/modeling_bert.py, transformers/models/roberta/modeling_roberta.py
+//! and transformers/models/electra/modeling_electra.py (transformers 5.23.0).
 
 use tch::{nn, Kind, Tensor};
 
@@ -37,7 +39,7 @@ impl BertEmbeddings {
     fn new(p: nn::Path, c: &HfConfig) -> Self {
         let r = c.initializer_range;
         let (positions, position_padding) = match c.arch {
-            Arch::Roberta => (
+            Arch::Roberta | Arch::XlmRoberta => (
                 PositionIds::AfterPadding(c.pad_token_id),
                 Some(c.pad_token_id),
             ),
@@ -47,25 +49,25 @@ impl BertEmbeddings {
             word_embeddings: Embedding::new(
                 &p / "word_embeddings",
                 c.vocab_size,
-                c.hidden_size,
+                c.embedding_size,
                 r,
                 Some(c.pad_token_id),
             ),
             position_embeddings: Embedding::new(
                 &p / "position_embeddings",
                 c.max_position_embeddings,
-                c.hidden_size,
+                c.embedding_size,
                 r,
                 position_padding,
             ),
             token_type_embeddings: Embedding::new(
                 &p / "token_type_embeddings",
                 c.type_vocab_size.max(1),
-                c.hidden_size,
+                c.embedding_size,
                 r,
                 None,
             ),
-            layer_norm: LayerNorm::new(&p / "LayerNorm", c.hidden_size, c.layer_norm_eps),
+            layer_norm: LayerNorm::new(&p / "LayerNorm", c.embedding_size, c.layer_norm_eps),
             positions,
             dropout: c.hidden_dropout,
         }
@@ -159,10 +161,13 @@ impl BertLayer {
     }
 }
 
-/// `BertModel` / `RobertaModel` without the pooler: embeddings and the encoder stack.
+/// `BertModel` / `RobertaModel` without the pooler, `ElectraModel`: embeddings (projected to
+/// the hidden size where their width differs) and the encoder stack.
 #[derive(Debug)]
 pub struct BertEncoder {
     pub embeddings: BertEmbeddings,
+    /// ELECTRA's `embeddings_project` (E -> C), when `embedding_size` != `hidden_size`.
+    embeddings_project: Option<Linear>,
     layers: Vec<BertLayer>,
 }
 
@@ -171,6 +176,14 @@ impl BertEncoder {
         let layer_path = &p / "encoder" / "layer";
         BertEncoder {
             embeddings: BertEmbeddings::new(&p / "embeddings", c),
+            embeddings_project: (c.embedding_size != c.hidden_size).then(|| {
+                Linear::new(
+                    &p / "embeddings_project",
+                    c.embedding_size,
+                    c.hidden_size,
+                    c.initializer_range,
+                )
+            }),
             layers: (0..c.num_layers)
                 .map(|i| BertLayer::new(&layer_path / i, c))
                 .collect(),
@@ -192,12 +205,14 @@ impl BertEncoder {
         boundaries: Option<&mut Vec<Boundary>>,
     ) -> Tensor {
         let mask = key_mask(&inputs.attention_mask);
-        run_stack(
-            self.embeddings.forward(inputs, train),
-            &self.layers,
-            boundaries,
-            |layer, x| layer.forward(x, &mask, train),
-        )
+        let embedded = self.embeddings.forward(inputs, train); // (B, T, E)
+        let embedded = match &self.embeddings_project {
+            Some(project) => project.forward(&embedded), // (B, T, C)
+            None => embedded,
+        };
+        run_stack(embedded, &self.layers, boundaries, |layer, x| {
+            layer.forward(x, &mask, train)
+        })
     }
 }
 

@@ -16,6 +16,15 @@ pub enum Arch {
     Bert,
     DistilBert,
     Roberta,
+    /// RoBERTa's architecture with its own name (XLM-RoBERTa's multilingual checkpoints).
+    XlmRoberta,
+    /// BERT's encoder on embeddings of their own width, projected up (ELECTRA's discriminator
+    /// and generator).
+    Electra,
+    /// Disentangled attention over relative positions (DeBERTa-v2 and -v3).
+    DebertaV2,
+    /// Rotary positions, GeGLU, alternating global and local attention.
+    ModernBert,
     Gpt2,
     /// Llama 2/3.x, SmolLM2, TinyLlama.
     Llama,
@@ -32,7 +41,10 @@ impl Arch {
         match self {
             Arch::Bert => "bert",
             Arch::DistilBert => "distilbert",
-            Arch::Roberta => "roberta",
+            Arch::Roberta | Arch::XlmRoberta => "roberta",
+            Arch::Electra => "electra",
+            Arch::DebertaV2 => "deberta",
+            Arch::ModernBert => "model",
             Arch::Gpt2 => "transformer",
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => "model",
         }
@@ -40,7 +52,16 @@ impl Arch {
 
     /// Causal language models (attention to earlier tokens only).
     pub fn is_decoder(self) -> bool {
-        !matches!(self, Arch::Bert | Arch::DistilBert | Arch::Roberta)
+        !matches!(
+            self,
+            Arch::Bert
+                | Arch::DistilBert
+                | Arch::Roberta
+                | Arch::XlmRoberta
+                | Arch::Electra
+                | Arch::DebertaV2
+                | Arch::ModernBert
+        )
     }
 
     /// Class-name stem used in messages, as in `BertForSequenceClassification`.
@@ -49,6 +70,10 @@ impl Arch {
             Arch::Bert => "Bert",
             Arch::DistilBert => "DistilBert",
             Arch::Roberta => "Roberta",
+            Arch::XlmRoberta => "XLMRoberta",
+            Arch::Electra => "Electra",
+            Arch::DebertaV2 => "DebertaV2",
+            Arch::ModernBert => "ModernBert",
             Arch::Gpt2 => "GPT2",
             Arch::Llama => "Llama",
             Arch::Mistral => "Mistral",
@@ -60,7 +85,10 @@ impl Arch {
     /// First path segments of backbone parameters in a checkpoint saved without the prefix.
     pub fn backbone_roots(self) -> &'static [&'static str] {
         match self {
-            Arch::Bert | Arch::Roberta => &["embeddings", "encoder", "pooler"],
+            Arch::Bert | Arch::Roberta | Arch::XlmRoberta => &["embeddings", "encoder", "pooler"],
+            Arch::Electra => &["embeddings", "embeddings_project", "encoder"],
+            Arch::DebertaV2 => &["embeddings", "encoder"],
+            Arch::ModernBert => &["embeddings", "layers", "final_norm"],
             Arch::DistilBert => &["embeddings", "transformer"],
             Arch::Gpt2 => &["wte", "wpe", "h", "ln_f"],
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
@@ -166,6 +194,8 @@ pub struct HfConfig {
     pub arch: Arch,
     pub vocab_size: i64,
     pub hidden_size: i64,
+    /// Width of the token embeddings: `hidden_size`, except ELECTRA's `embedding_size`.
+    pub embedding_size: i64,
     pub num_layers: i64,
     pub num_heads: i64,
     pub intermediate_size: i64,
@@ -217,6 +247,10 @@ pub struct HfConfig {
     pub has_pad_token: bool,
     /// LoRA adapters to build on the targeted layers (a training choice, not in config.json).
     pub lora: Option<super::lora::LoraSpec>,
+    /// DeBERTa-v2/v3's attention and pooler settings.
+    pub deberta: Option<super::deberta_v2::DebertaSettings>,
+    /// ModernBERT's layer pattern, rotary bases, biases and heads.
+    pub modernbert: Option<super::modernbert::ModernBertSettings>,
     /// The file as read, kept so a saved config.json carries every key it came with.
     pub raw: serde_json::Value,
 }
@@ -231,7 +265,9 @@ impl HfConfig {
     pub fn max_input_tokens(&self) -> usize {
         let positions = self.max_position_embeddings as usize;
         match self.arch {
-            Arch::Roberta => positions.saturating_sub(self.pad_token_id as usize + 1),
+            Arch::Roberta | Arch::XlmRoberta => {
+                positions.saturating_sub(self.pad_token_id as usize + 1)
+            }
             _ => positions,
         }
     }
@@ -273,14 +309,31 @@ impl HfConfig {
             .to_string();
         let common: CommonKeys = serde_json::from_value(raw.clone())?;
         let mut cfg = match model_type.as_str() {
-            "bert" | "roberta" => {
-                let arch = if model_type == "bert" {
-                    Arch::Bert
-                } else {
-                    Arch::Roberta
+            "bert" | "roberta" | "xlm-roberta" | "electra" => {
+                let arch = match model_type.as_str() {
+                    "bert" => Arch::Bert,
+                    "roberta" => Arch::Roberta,
+                    "xlm-roberta" => Arch::XlmRoberta,
+                    _ => Arch::Electra,
                 };
-                let pad_default = if arch == Arch::Roberta { 1 } else { 0 };
-                let c: BertKeys = serde_json::from_value(raw.clone())?;
+                let pad_default = if matches!(arch, Arch::Bert | Arch::Electra) {
+                    0
+                } else {
+                    1
+                };
+                let c: BertKeys = if arch == Arch::Electra {
+                    // ElectraConfig's defaults differ from BERT's: keys not given take them.
+                    let mut keys = serde_json::json!({
+                        "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
+                        "embedding_size": 128,
+                    });
+                    if let (Some(k), Some(given)) = (keys.as_object_mut(), raw.as_object()) {
+                        k.extend(given.clone());
+                    }
+                    serde_json::from_value(keys)?
+                } else {
+                    serde_json::from_value(raw.clone())?
+                };
                 if c.position_embedding_type != "absolute" {
                     bail!(
                         "position_embedding_type {:?} is not supported (only \"absolute\")",
@@ -291,6 +344,7 @@ impl HfConfig {
                     arch,
                     vocab_size: c.vocab_size,
                     hidden_size: c.hidden_size,
+                    embedding_size: c.embedding_size.unwrap_or(c.hidden_size),
                     num_layers: c.num_hidden_layers,
                     num_heads: c.num_attention_heads,
                     intermediate_size: c.intermediate_size,
@@ -338,6 +392,8 @@ impl HfConfig {
                     ..family_defaults(c.dim, c.n_heads, c.dropout)
                 }
             }
+            "deberta-v2" => deberta_v2_config(serde_json::from_value(raw.clone())?, &common)?,
+            "modernbert" => modernbert_config(serde_json::from_value(raw.clone())?, &common)?,
             "gpt2" => gpt2_config(serde_json::from_value(raw.clone())?)?,
             "llama" | "mistral" | "qwen2" | "qwen3" => {
                 llama_config(&model_type, serde_json::from_value(raw.clone())?, &raw)?
@@ -350,7 +406,14 @@ impl HfConfig {
         // Encoders and GPT-2 tie by default, the Llama family does not.
         cfg.tie_word_embeddings = common.tie_word_embeddings.unwrap_or(matches!(
             cfg.arch,
-            Arch::Bert | Arch::DistilBert | Arch::Roberta | Arch::Gpt2
+            Arch::Bert
+                | Arch::DistilBert
+                | Arch::Roberta
+                | Arch::XlmRoberta
+                | Arch::Electra
+                | Arch::DebertaV2
+                | Arch::ModernBert
+                | Arch::Gpt2
         ));
         if cfg.arch.is_decoder() {
             // A key left out means the family's default; a null means none.
@@ -432,9 +495,14 @@ impl HfConfig {
     }
 }
 
+/// The encoder `model_type`s (masked LM, token classification, question answering), for
+/// messages.
+pub const ENCODER_MODEL_TYPES: &str =
+    "bert, distilbert, roberta, xlm-roberta, electra, deberta-v2, modernbert";
+
 /// The `model_type`s sprtrain builds, for messages.
 pub const SUPPORTED_MODEL_TYPES: &str =
-    "bert, distilbert, roberta, gpt2, llama, mistral, qwen2, qwen3";
+    "bert, distilbert, roberta, xlm-roberta, electra, deberta-v2, modernbert, gpt2, llama, mistral, qwen2, qwen3";
 
 /// The values every family starts from (encoders' choices: learned positions, biases
 /// everywhere, MHA), which each family's keys then override.
@@ -443,6 +511,7 @@ fn family_defaults(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
         arch: Arch::Bert,
         vocab_size: 0,
         hidden_size: hidden,
+        embedding_size: hidden,
         num_layers: 0,
         num_heads: heads,
         intermediate_size: 0,
@@ -473,8 +542,150 @@ fn family_defaults(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
         bos_token_id: None,
         has_pad_token: true,
         lora: None,
+        deberta: None,
+        modernbert: None,
         raw: serde_json::Value::Null,
     }
+}
+
+/// `DebertaV2Config` (its defaults for keys left out).
+fn deberta_v2_config(c: DebertaKeys, common: &CommonKeys) -> Result<HfConfig> {
+    if c.conv_kernel_size > 0 {
+        bail!(
+            "conv_kernel_size {} (DeBERTa-v2's ConvLayer) is not supported",
+            c.conv_kernel_size
+        );
+    }
+    let att_types: Vec<String> = match &c.pos_att_type {
+        serde_json::Value::String(s) => s.split('|').map(|t| t.trim().to_lowercase()).collect(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_lowercase))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let max_relative_positions = if c.max_relative_positions < 1 {
+        c.max_position_embeddings
+    } else {
+        c.max_relative_positions
+    };
+    let norm_rel_embeddings = c
+        .norm_rel_ebd
+        .to_lowercase()
+        .split('|')
+        .any(|t| t.trim() == "layer_norm");
+    let settings = super::deberta_v2::DebertaSettings {
+        relative_attention: c.relative_attention,
+        max_relative_positions,
+        position_buckets: c.position_buckets,
+        c2p: att_types.iter().any(|t| t == "c2p"),
+        p2c: att_types.iter().any(|t| t == "p2c"),
+        share_att_key: c.share_att_key,
+        norm_rel_embeddings,
+        position_biased_input: c.position_biased_input,
+        pooler_hidden_size: c.pooler_hidden_size.unwrap_or(c.hidden_size),
+        pooler_dropout: c.pooler_dropout,
+        pooler_activation: Activation::parse(&c.pooler_hidden_act)?,
+    };
+    if settings.pooler_hidden_size != c.hidden_size {
+        bail!(
+            "pooler_hidden_size {} differs from hidden_size {}: not supported",
+            settings.pooler_hidden_size,
+            c.hidden_size
+        );
+    }
+    Ok(HfConfig {
+        arch: Arch::DebertaV2,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        embedding_size: c.embedding_size.unwrap_or(c.hidden_size),
+        num_layers: c.num_hidden_layers,
+        num_heads: c.num_attention_heads,
+        intermediate_size: c.intermediate_size,
+        activation: Activation::parse(&c.hidden_act)?,
+        attention_dropout: c.attention_probs_dropout_prob,
+        max_position_embeddings: c.max_position_embeddings,
+        type_vocab_size: c.type_vocab_size,
+        layer_norm_eps: c.layer_norm_eps,
+        pad_token_id: common.pad_token_id.unwrap_or(0),
+        initializer_range: c.initializer_range,
+        classifier_dropout: c.cls_dropout.unwrap_or(c.hidden_dropout_prob),
+        deberta: Some(settings),
+        ..family_defaults(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
+    })
+}
+
+/// `ModernBertConfig` (its defaults for keys left out; the layer pattern from `layer_types` or
+/// `global_attn_every_n_layers`, the rotary bases from `rope_parameters` or the older
+/// `global_rope_theta` / `local_rope_theta`).
+fn modernbert_config(c: ModernBertKeys, common: &CommonKeys) -> Result<HfConfig> {
+    let local_layers: Vec<bool> = match &c.layer_types {
+        Some(types) => types.iter().map(|t| t == "sliding_attention").collect(),
+        None => (0..c.num_hidden_layers)
+            .map(|i| i % c.global_attn_every_n_layers.max(1) != 0)
+            .collect(),
+    };
+    if local_layers.len() != c.num_hidden_layers as usize {
+        bail!(
+            "layer_types has {} entries for {} layers",
+            local_layers.len(),
+            c.num_hidden_layers
+        );
+    }
+    let theta = |kind: &str, fallback: Option<f64>, default: f64| -> Result<f64> {
+        let params = c.rope_parameters.as_ref().and_then(|p| p.get(kind));
+        if let Some(t) = params
+            .and_then(|p| p.get("rope_type"))
+            .and_then(|t| t.as_str())
+        {
+            if t != "default" {
+                bail!("rope_parameters.{kind}.rope_type {t:?} is not supported (only \"default\")");
+            }
+        }
+        Ok(params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+            .or(fallback)
+            .unwrap_or(default))
+    };
+    if !c.decoder_bias {
+        bail!("decoder_bias false is not supported");
+    }
+    let settings = super::modernbert::ModernBertSettings {
+        local_layers,
+        half_window: c.local_attention / 2,
+        global_rope_theta: theta("full_attention", c.global_rope_theta, 160_000.0)?,
+        local_rope_theta: theta("sliding_attention", c.local_rope_theta, 10_000.0)?,
+        norm_bias: c.norm_bias,
+        attention_bias: c.attention_bias,
+        mlp_bias: c.mlp_bias,
+        mlp_dropout: c.mlp_dropout,
+        classifier_bias: c.classifier_bias,
+        classifier_activation: Activation::parse(&c.classifier_activation)?,
+        mean_pooling: match c.classifier_pooling.as_str() {
+            "cls" => false,
+            "mean" => true,
+            other => bail!("classifier_pooling {other:?} is not supported (\"cls\" or \"mean\")"),
+        },
+        decoder_bias: c.decoder_bias,
+    };
+    Ok(HfConfig {
+        arch: Arch::ModernBert,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        num_layers: c.num_hidden_layers,
+        num_heads: c.num_attention_heads,
+        intermediate_size: c.intermediate_size,
+        activation: Activation::parse(&c.hidden_activation)?,
+        attention_dropout: c.attention_dropout,
+        max_position_embeddings: c.max_position_embeddings,
+        layer_norm_eps: c.norm_eps,
+        pad_token_id: common.pad_token_id.unwrap_or(50283),
+        initializer_range: c.initializer_range,
+        classifier_dropout: c.classifier_dropout,
+        modernbert: Some(settings),
+        ..family_defaults(c.hidden_size, c.num_attention_heads, c.embedding_dropout)
+    })
 }
 
 /// `GPT2Config`.
@@ -661,6 +872,8 @@ struct BertKeys {
     layer_norm_eps: f64,
     position_embedding_type: String,
     classifier_dropout: Option<f64>,
+    /// ELECTRA: the width of the embeddings (projected to `hidden_size` when it differs).
+    embedding_size: Option<i64>,
 }
 
 impl Default for BertKeys {
@@ -680,6 +893,133 @@ impl Default for BertKeys {
             layer_norm_eps: 1e-12,
             position_embedding_type: "absolute".into(),
             classifier_dropout: None,
+            embedding_size: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(default)]
+struct DebertaKeys {
+    vocab_size: i64,
+    hidden_size: i64,
+    num_hidden_layers: i64,
+    num_attention_heads: i64,
+    intermediate_size: i64,
+    hidden_act: String,
+    hidden_dropout_prob: f64,
+    attention_probs_dropout_prob: f64,
+    max_position_embeddings: i64,
+    type_vocab_size: i64,
+    initializer_range: f64,
+    layer_norm_eps: f64,
+    relative_attention: bool,
+    max_relative_positions: i64,
+    position_buckets: i64,
+    pos_att_type: serde_json::Value,
+    share_att_key: bool,
+    norm_rel_ebd: String,
+    position_biased_input: bool,
+    pooler_hidden_size: Option<i64>,
+    pooler_dropout: f64,
+    pooler_hidden_act: String,
+    cls_dropout: Option<f64>,
+    embedding_size: Option<i64>,
+    conv_kernel_size: i64,
+}
+
+impl Default for DebertaKeys {
+    fn default() -> Self {
+        DebertaKeys {
+            vocab_size: 128100,
+            hidden_size: 1536,
+            num_hidden_layers: 24,
+            num_attention_heads: 24,
+            intermediate_size: 6144,
+            hidden_act: "gelu".into(),
+            hidden_dropout_prob: 0.1,
+            attention_probs_dropout_prob: 0.1,
+            max_position_embeddings: 512,
+            type_vocab_size: 0,
+            initializer_range: 0.02,
+            layer_norm_eps: 1e-7,
+            relative_attention: false,
+            max_relative_positions: -1,
+            position_buckets: -1,
+            pos_att_type: serde_json::Value::Null,
+            share_att_key: false,
+            norm_rel_ebd: "none".into(),
+            position_biased_input: true,
+            pooler_hidden_size: None,
+            pooler_dropout: 0.0,
+            pooler_hidden_act: "gelu".into(),
+            cls_dropout: None,
+            embedding_size: None,
+            conv_kernel_size: 0,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(default)]
+struct ModernBertKeys {
+    vocab_size: i64,
+    hidden_size: i64,
+    intermediate_size: i64,
+    num_hidden_layers: i64,
+    num_attention_heads: i64,
+    hidden_activation: String,
+    max_position_embeddings: i64,
+    initializer_range: f64,
+    norm_eps: f64,
+    norm_bias: bool,
+    attention_bias: bool,
+    attention_dropout: f64,
+    layer_types: Option<Vec<String>>,
+    global_attn_every_n_layers: i64,
+    rope_parameters: Option<serde_json::Value>,
+    global_rope_theta: Option<f64>,
+    local_rope_theta: Option<f64>,
+    local_attention: i64,
+    embedding_dropout: f64,
+    mlp_bias: bool,
+    mlp_dropout: f64,
+    decoder_bias: bool,
+    classifier_pooling: String,
+    classifier_dropout: f64,
+    classifier_bias: bool,
+    classifier_activation: String,
+}
+
+impl Default for ModernBertKeys {
+    fn default() -> Self {
+        ModernBertKeys {
+            vocab_size: 50368,
+            hidden_size: 768,
+            intermediate_size: 1152,
+            num_hidden_layers: 22,
+            num_attention_heads: 12,
+            hidden_activation: "gelu".into(),
+            max_position_embeddings: 8192,
+            initializer_range: 0.02,
+            norm_eps: 1e-5,
+            norm_bias: false,
+            attention_bias: false,
+            attention_dropout: 0.0,
+            layer_types: None,
+            global_attn_every_n_layers: 3,
+            rope_parameters: None,
+            global_rope_theta: None,
+            local_rope_theta: None,
+            local_attention: 128,
+            embedding_dropout: 0.0,
+            mlp_bias: false,
+            mlp_dropout: 0.0,
+            decoder_bias: true,
+            classifier_pooling: "cls".into(),
+            classifier_dropout: 0.0,
+            classifier_bias: false,
+            classifier_activation: "gelu".into(),
         }
     }
 }

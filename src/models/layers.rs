@@ -342,15 +342,20 @@ pub fn qkv_projection(
 #[derive(Debug)]
 pub struct LayerNorm {
     pub weight: Tensor,
-    pub bias: Tensor,
+    /// None for `bias=False` (ModernBERT's norms).
+    pub bias: Option<Tensor>,
     eps: f64,
     dim: i64,
 }
 
 impl LayerNorm {
     pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+        Self::with_bias(p, dim, eps, true)
+    }
+
+    pub fn with_bias(p: nn::Path, dim: i64, eps: f64, bias: bool) -> Self {
         let weight = p.var("weight", &[dim], Init::Const(1.0));
-        let bias = p.var("bias", &[dim], Init::Const(0.0));
+        let bias = bias.then(|| p.var("bias", &[dim], Init::Const(0.0)));
         LayerNorm {
             weight,
             bias,
@@ -363,7 +368,7 @@ impl LayerNorm {
         x.layer_norm(
             [self.dim],
             Some(&self.weight),
-            Some(&self.bias),
+            self.bias.as_ref(),
             self.eps,
             false,
         )

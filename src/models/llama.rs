@@ -53,12 +53,12 @@ pub fn inverse_frequencies(rope: &Rope, head_dim: i64) -> Vec<f64> {
 
 /// `LlamaRotaryEmbedding`: cos and sin tables for positions, applied with `rotate_half`.
 #[derive(Debug)]
-struct Rotary {
+pub(super) struct Rotary {
     inv_freq: Tensor, // (D/2) fp32
 }
 
 impl Rotary {
-    fn new(rope: &Rope, head_dim: i64) -> Self {
+    pub(super) fn new(rope: &Rope, head_dim: i64) -> Self {
         let inv: Vec<f32> = inverse_frequencies(rope, head_dim)
             .into_iter()
             .map(|f| f as f32)
@@ -69,7 +69,7 @@ impl Rotary {
     }
 
     /// (T, D) cos and sin of positions `start..start + t`, fp32.
-    fn tables(&self, start: i64, t: i64) -> (Tensor, Tensor) {
+    pub(super) fn tables(&self, start: i64, t: i64) -> (Tensor, Tensor) {
         let pos = Tensor::arange_start(start, start + t, (Kind::Float, self.inv_freq.device()));
         let freqs = pos.unsqueeze(1) * self.inv_freq.unsqueeze(0); // (T, D/2)
         let emb = Tensor::cat(&[&freqs, &freqs], -1); // (T, D)
@@ -78,7 +78,7 @@ impl Rotary {
 }
 
 /// x * cos + rotate_half(x) * sin for (B, H, T, D) x, in x's dtype.
-fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+pub(super) fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
     let x1 = x.narrow(-1, 0, half);
     let x2 = x.narrow(-1, half, half);

@@ -37,8 +37,10 @@ impl LoraSpec {
     pub fn default_targets(arch: Arch) -> Vec<String> {
         let names: &[&str] = match arch {
             Arch::Gpt2 => &["c_attn"],
-            Arch::Bert | Arch::Roberta => &["query", "value"],
+            Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => &["query", "value"],
             Arch::DistilBert => &["q_lin", "v_lin"],
+            Arch::DebertaV2 => &["query_proj", "value_proj"],
+            Arch::ModernBert => &["Wqkv"],
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => &["q_proj", "v_proj"],
         };
         names.iter().map(|s| s.to_string()).collect()

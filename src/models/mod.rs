@@ -1,29 +1,33 @@
 //! Hugging Face models in libtorch: BERT, DistilBERT and RoBERTa encoders and GPT-2 and
 //! Llama-family decoders, with the task heads of transformers' `*ForSequenceClassification`,
-//! `*ForQuestionAnswering`, `*ForMaskedLM` and `*ForCausalLM`. Variable paths in the
+//! `*ForTokenClassification`, `*ForQuestionAnswering`, `*ForMaskedLM` and `*ForCausalLM`. Variable paths in the
 //! `VarStore` are the transformers state-dict keys.
 //!
 //! Models know nothing of MPI, data files or training: they map token ids to outputs and losses.
 
 pub mod bert;
+pub mod deberta_v2;
 pub mod distilbert;
 pub mod gpt2;
 pub mod hf_config;
 pub mod layers;
 pub mod llama;
 pub mod lora;
+pub mod modernbert;
 pub mod weights;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use tch::{nn, Reduction, Tensor};
 
 use bert::{BertEncoder, BertPooler};
+use deberta_v2::{ContextPooler, DebertaEncoder};
 use distilbert::DistilBertEncoder;
 use gpt2::Gpt2Model;
 pub use hf_config::{Activation, Arch, HfConfig, ProblemType};
 pub use layers::KvCache;
 use layers::{activate, dropout, LayerNorm, Linear};
 use llama::LlamaModel;
+use modernbert::{ModernBertModel, PredictionHead};
 
 /// Which transformers head sits on the backbone (`BertModel`, `BertForQuestionAnswering`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +35,8 @@ pub enum Head {
     /// The bare encoder (`BertModel`): outputs the last hidden state.
     Base,
     SequenceClassification,
+    /// One class per token (`*ForTokenClassification`, NER).
+    TokenClassification,
     QuestionAnswering,
     MaskedLm,
     /// Next-token prediction (`*ForCausalLM`, GPT-2's `LMHeadModel`).
@@ -42,6 +48,7 @@ impl Head {
         match self {
             Head::Base => "Model",
             Head::SequenceClassification => "ForSequenceClassification",
+            Head::TokenClassification => "ForTokenClassification",
             Head::QuestionAnswering => "ForQuestionAnswering",
             Head::MaskedLm => "ForMaskedLM",
             Head::CausalLm => "ForCausalLM",
@@ -110,8 +117,8 @@ fn run_stack<L>(
 pub struct ModelOutput {
     /// Last hidden state, (B, T, C).
     pub hidden: Tensor,
-    /// Sequence classification (B, L); question answering (B, T, 2); masked LM (B, T, V);
-    /// the hidden state for the bare encoder.
+    /// Sequence classification (B, L); token classification (B, T, L); question answering
+    /// (B, T, 2); masked and causal LM (B, T, V); the hidden state for the bare encoder.
     pub logits: Tensor,
 }
 
@@ -128,6 +135,11 @@ enum Backbone {
         pooler: Option<BertPooler>,
     },
     DistilBert(DistilBertEncoder),
+    Deberta {
+        encoder: DebertaEncoder,
+        pooler: Option<ContextPooler>,
+    },
+    ModernBert(ModernBertModel),
     Gpt2(Gpt2Model),
     Llama(LlamaModel),
 }
@@ -137,6 +149,8 @@ impl Backbone {
         match self {
             Backbone::Bert { encoder, .. } => encoder.embeddings.word_embeddings(),
             Backbone::DistilBert(e) => e.embeddings.word_embeddings(),
+            Backbone::Deberta { encoder, .. } => encoder.embeddings.word_embeddings(),
+            Backbone::ModernBert(m) => m.word_embeddings(),
             Backbone::Gpt2(m) => m.word_embeddings(),
             Backbone::Llama(m) => m.word_embeddings(),
         }
@@ -153,23 +167,36 @@ enum ClassifierHead {
         classifier: Linear,
         dropout: f64,
     },
-    /// `RobertaClassificationHead`: dropout -> `classifier.dense` -> tanh -> dropout -> `classifier.out_proj`.
-    DenseTanh {
+    /// `RobertaClassificationHead` (tanh) and `ElectraClassificationHead` (GELU): dropout ->
+    /// `classifier.dense` -> activation -> dropout -> `classifier.out_proj`.
+    DenseOut {
         dense: Linear,
         out_proj: Linear,
+        activation: Activation,
         dropout: f64,
+    },
+    /// `DebertaV2ForSequenceClassification`: `pooler` (ContextPooler) -> dropout -> `classifier`.
+    ContextPooled { classifier: Linear, dropout: f64 },
+    /// `ModernBertForSequenceClassification`: the first token or the mean of the real ones ->
+    /// `head` -> dropout -> `classifier`.
+    ModernBert {
+        head: PredictionHead,
+        classifier: Linear,
+        dropout: f64,
+        mean_pooling: bool,
     },
     /// Decoders' `*ForSequenceClassification`: `score` (no bias) on the last token that is not
     /// padding (the rightmost token whose id differs from `pad_token_id`).
     LastToken { score: Linear, pad_token_id: i64 },
 }
 
-/// The masked-LM transform shared by the three families, with names that differ:
+/// The masked-LM transform shared by the encoder families, with names that differ:
 /// dense -> activation -> LayerNorm -> decoder (the word embeddings unless untied) + bias.
+/// ELECTRA's generator transforms to its embedding width.
 struct MlmHead {
     dense: Linear,
     norm: LayerNorm,
-    /// (V, C) own decoder weight when `tie_word_embeddings` is false.
+    /// (V, E) own decoder weight when `tie_word_embeddings` is false.
     untied_decoder: Option<Tensor>,
     /// (V) the output bias in use: the head's `bias`, or, untied, the decoder's own
     /// (transformers 5 then leaves BERT's and RoBERTa's head `bias` unused but saved).
@@ -180,7 +207,17 @@ struct MlmHead {
 enum HeadLayers {
     None,
     Classifier(ClassifierHead),
+    /// `*ForTokenClassification`: (ModernBERT's `head` ->) dropout -> `classifier` on every
+    /// position.
+    TokenClassifier {
+        head: Option<PredictionHead>,
+        classifier: Linear,
+        dropout: f64,
+    },
+    /// `*ForQuestionAnswering`: (ModernBERT's `head` ->) dropout -> `qa_outputs` (ModernBERT's
+    /// `classifier`), start and end logits.
     Qa {
+        head: Option<PredictionHead>,
         qa_outputs: Linear,
         dropout: f64,
     },
@@ -209,6 +246,10 @@ impl TaskModel {
                 "{} is a causal language model: it has no masked-LM head (model.task \"mlm\")",
                 c.arch.class_stem()
             ),
+            (true, Head::TokenClassification) => bail!(
+                "{} is a causal language model: token classification (model.task \"token-cls\") needs an encoder",
+                c.arch.class_stem()
+            ),
             (false, Head::CausalLm) => bail!(
                 "{} is an encoder: it has no causal-LM head (model.task \"causal-lm\" needs gpt2, llama, mistral, qwen2 or qwen3)",
                 c.arch.class_stem()
@@ -217,6 +258,18 @@ impl TaskModel {
         }
         let r = c.initializer_range;
         let h = c.hidden_size;
+        let modernbert = || {
+            c.modernbert
+                .as_ref()
+                .context("a ModernBERT config without its settings")
+        };
+        // ModernBERT's task heads start with its prediction head.
+        let prediction_head = || -> Result<Option<PredictionHead>> {
+            Ok(match c.arch {
+                Arch::ModernBert => Some(PredictionHead::new(root / "head", c, modernbert()?)),
+                _ => None,
+            })
+        };
         // Task models keep the backbone under `bert.` / `distilbert.` / `roberta.`.
         let bb = if head == Head::Base {
             root.clone()
@@ -224,18 +277,32 @@ impl TaskModel {
             root / c.arch.prefix()
         };
         let backbone = match c.arch {
-            Arch::Bert | Arch::Roberta => {
-                // Only BERT's classifier and the bare model use the pooler (add_pooling_layer).
-                let pooled = matches!(
-                    (c.arch, head),
-                    (Arch::Bert, Head::SequenceClassification) | (_, Head::Base)
-                );
+            Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => {
+                // Only BERT's classifier and the bare model use the pooler (add_pooling_layer);
+                // ELECTRA has none.
+                let pooled = c.arch != Arch::Electra
+                    && matches!(
+                        (c.arch, head),
+                        (Arch::Bert, Head::SequenceClassification) | (_, Head::Base)
+                    );
                 Backbone::Bert {
                     encoder: BertEncoder::new(bb.clone(), c),
                     pooler: pooled.then(|| BertPooler::new(&bb / "pooler", c)),
                 }
             }
             Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
+            Arch::ModernBert => Backbone::ModernBert(ModernBertModel::new(bb, c, modernbert()?)),
+            Arch::DebertaV2 => {
+                let d = c
+                    .deberta
+                    .as_ref()
+                    .context("a DeBERTa-v2 config without its settings")?;
+                Backbone::Deberta {
+                    encoder: DebertaEncoder::new(bb, c, d),
+                    pooler: (head == Head::SequenceClassification)
+                        .then(|| ContextPooler::new(root / "pooler", c, d)),
+                }
+            }
             Arch::Gpt2 => Backbone::Gpt2(Gpt2Model::new(bb, c)),
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
                 Backbone::Llama(LlamaModel::new(bb, c))
@@ -254,9 +321,24 @@ impl TaskModel {
                     classifier: Linear::new(root / "classifier", h, n, r),
                     dropout: c.classifier_dropout,
                 },
-                Arch::Roberta => ClassifierHead::DenseTanh {
+                Arch::DebertaV2 => ClassifierHead::ContextPooled {
+                    classifier: Linear::new(root / "classifier", h, n, r),
+                    dropout: c.classifier_dropout,
+                },
+                Arch::ModernBert => ClassifierHead::ModernBert {
+                    head: PredictionHead::new(root / "head", c, modernbert()?),
+                    classifier: Linear::new(root / "classifier", h, n, r),
+                    dropout: c.classifier_dropout,
+                    mean_pooling: modernbert()?.mean_pooling,
+                },
+                Arch::Roberta | Arch::XlmRoberta | Arch::Electra => ClassifierHead::DenseOut {
                     dense: Linear::new(root / "classifier" / "dense", h, h, r),
                     out_proj: Linear::new(root / "classifier" / "out_proj", h, n, r),
+                    activation: if c.arch == Arch::Electra {
+                        Activation::Gelu
+                    } else {
+                        Activation::Tanh
+                    },
                     dropout: c.classifier_dropout,
                 },
                 _ => ClassifierHead::LastToken {
@@ -264,6 +346,16 @@ impl TaskModel {
                     pad_token_id: c.pad_token_id,
                 },
             }),
+            Head::TokenClassification => HeadLayers::TokenClassifier {
+                head: prediction_head()?,
+                classifier: Linear::new(root / "classifier", h, n, r),
+                // DistilBERT and DeBERTa drop out at their general rate; the others at the
+                // classifier's (ModernBERT: its classifier_dropout).
+                dropout: match c.arch {
+                    Arch::DistilBert | Arch::DebertaV2 => c.hidden_dropout,
+                    _ => c.classifier_dropout,
+                },
+            },
             Head::CausalLm => HeadLayers::CausalLm {
                 untied: (!c.tie_word_embeddings).then(|| {
                     root.sub("lm_head").var(
@@ -277,13 +369,28 @@ impl TaskModel {
                 }),
             },
             Head::QuestionAnswering => HeadLayers::Qa {
-                qa_outputs: Linear::new(root / "qa_outputs", h, 2, r),
-                dropout: c.qa_dropout,
+                head: prediction_head()?,
+                qa_outputs: Linear::new(
+                    root / if c.arch == Arch::ModernBert {
+                        "classifier"
+                    } else {
+                        "qa_outputs"
+                    },
+                    h,
+                    2,
+                    r,
+                ),
+                dropout: if c.arch == Arch::ModernBert {
+                    c.classifier_dropout
+                } else {
+                    c.qa_dropout
+                },
             },
             Head::MaskedLm => {
                 // (transform, its LayerNorm, owner of the bias, owner of an untied decoder weight)
                 let (dense, norm, bias, decoder, activation) = match c.arch {
-                    Arch::Bert => {
+                    // DeBERTa-v2's `legacy` head is BERT's.
+                    Arch::Bert | Arch::DebertaV2 => {
                         let p = root / "cls" / "predictions";
                         (
                             &p / "transform" / "dense",
@@ -303,7 +410,7 @@ impl TaskModel {
                             c.activation,
                         )
                     }
-                    Arch::Roberta => {
+                    Arch::Roberta | Arch::XlmRoberta => {
                         let l = root / "lm_head";
                         (
                             &l / "dense",
@@ -313,32 +420,60 @@ impl TaskModel {
                             Activation::Gelu,
                         )
                     }
+                    Arch::ModernBert => {
+                        let d = root / "decoder";
+                        (
+                            root / "head" / "dense",
+                            root / "head" / "norm",
+                            d.clone(),
+                            d,
+                            modernbert()?.classifier_activation,
+                        )
+                    }
+                    Arch::Electra => {
+                        let g = root / "generator_predictions";
+                        let lm = root / "generator_lm_head";
+                        (
+                            &g / "dense",
+                            &g / "LayerNorm",
+                            lm.clone(),
+                            lm,
+                            Activation::Gelu,
+                        )
+                    }
                     _ => unreachable!("decoders were refused a masked-LM head above"),
                 };
-                let v = c.vocab_size;
+                let (v, e) = (c.vocab_size, c.embedding_size);
                 let head_bias = bias.zeros("bias", &[v]);
                 let (untied_decoder, bias) = if c.tie_word_embeddings {
                     (None, head_bias)
                 } else {
                     let weight = decoder.var(
                         "weight",
-                        &[v, h],
+                        &[v, e],
                         nn::Init::Randn {
                             mean: 0.0,
                             stdev: r,
                         },
                     );
-                    // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head bias.
-                    let own_bias = if c.arch == Arch::DistilBert {
-                        head_bias
-                    } else {
-                        decoder.zeros("bias", &[v])
-                    };
+                    // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head
+                    // bias; ELECTRA's is `generator_lm_head`.
+                    let own_bias =
+                        if matches!(c.arch, Arch::DistilBert | Arch::Electra | Arch::ModernBert) {
+                            head_bias
+                        } else {
+                            decoder.zeros("bias", &[v])
+                        };
                     (Some(weight), own_bias)
                 };
+                // ModernBERT's head has no biases by default.
+                let (dense_bias, norm_bias) = match &c.modernbert {
+                    Some(m) => (m.classifier_bias, m.norm_bias),
+                    None => (true, true),
+                };
                 HeadLayers::Mlm(MlmHead {
-                    dense: Linear::new(dense, h, h, r),
-                    norm: LayerNorm::new(norm, h, c.layer_norm_eps),
+                    dense: Linear::with_bias(dense, h, e, r, dense_bias),
+                    norm: LayerNorm::with_bias(norm, e, c.layer_norm_eps, norm_bias),
                     untied_decoder,
                     bias,
                     activation,
@@ -393,6 +528,18 @@ impl TaskModel {
         {
             return layers + 1;
         }
+        // ELECTRA's projection and DeBERTa's relative-position table are complete only when
+        // backward has passed every layer.
+        if [
+            "embeddings_project.",
+            "encoder.rel_embeddings.",
+            "encoder.LayerNorm.",
+        ]
+        .iter()
+        .any(|e| rest.starts_with(e))
+        {
+            return layers + 1;
+        }
         let layer = ["encoder.layer.", "transformer.layer.", "h.", "layers."]
             .iter()
             .find_map(|p| rest.strip_prefix(p))
@@ -436,6 +583,12 @@ impl TaskModel {
                 (hidden, pooled)
             }
             Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries), None),
+            Backbone::ModernBert(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::Deberta { encoder, pooler } => {
+                let hidden = encoder.forward_staged(inputs, train, boundaries);
+                let pooled = pooler.as_ref().map(|p| p.forward(&hidden, train));
+                (hidden, pooled)
+            }
             Backbone::Gpt2(m) => (m.forward_staged(inputs, train, boundaries), None),
             Backbone::Llama(m) => (m.forward_staged(inputs, train, boundaries), None),
         };
@@ -447,8 +600,12 @@ impl TaskModel {
                     ClassifierHead::Pooled {
                         classifier,
                         dropout: p,
+                    }
+                    | ClassifierHead::ContextPooled {
+                        classifier,
+                        dropout: p,
                     } => {
-                        let pooled = pooled.expect("BERT classification builds its pooler");
+                        let pooled = pooled.expect("pooled classification builds its pooler");
                         classifier.forward(&dropout(&pooled, *p, train))
                     }
                     ClassifierHead::PreClassifier {
@@ -459,13 +616,24 @@ impl TaskModel {
                         let x = pre_classifier.forward(&first).relu();
                         classifier.forward(&dropout(&x, *p, train))
                     }
-                    ClassifierHead::DenseTanh {
+                    ClassifierHead::DenseOut {
                         dense,
                         out_proj,
+                        activation,
                         dropout: p,
                     } => {
-                        let x = dense.forward(&dropout(&first, *p, train)).tanh();
+                        let x = activate(*activation, &dense.forward(&dropout(&first, *p, train)));
                         out_proj.forward(&dropout(&x, *p, train))
+                    }
+                    ClassifierHead::ModernBert {
+                        head,
+                        classifier,
+                        dropout: p,
+                        mean_pooling,
+                    } => {
+                        let pooled =
+                            modernbert::pool(&hidden, &inputs.attention_mask, *mean_pooling);
+                        classifier.forward(&dropout(&head.forward(&pooled), *p, train))
                     }
                     ClassifierHead::LastToken {
                         score,
@@ -483,10 +651,16 @@ impl TaskModel {
                     }
                 }
             }
+            HeadLayers::TokenClassifier {
+                head,
+                classifier,
+                dropout: p,
+            } => classifier.forward(&dropout(&head_input(head, &hidden), *p, train)), // (B, T, L)
             HeadLayers::Qa {
+                head,
                 qa_outputs,
                 dropout: p,
-            } => qa_outputs.forward(&dropout(&hidden, *p, train)),
+            } => qa_outputs.forward(&dropout(&head_input(head, &hidden), *p, train)),
             HeadLayers::Mlm(m) => {
                 let x = m
                     .norm
@@ -581,6 +755,9 @@ impl TaskModel {
                 };
                 (ce(&s, start) + ce(&e, end)) / 2.0
             }
+            (Head::TokenClassification, Labels::Tokens(y)) => {
+                mean_cross_entropy(&out.logits, y, self.config.num_labels() as i64)
+            }
             (Head::MaskedLm, Labels::Tokens(y)) => {
                 mean_cross_entropy(&out.logits, y, self.config.vocab_size)
             }
@@ -597,6 +774,14 @@ impl TaskModel {
                 problem.as_hf_str()
             ),
         })
+    }
+}
+
+/// The hidden state through ModernBERT's prediction head, where there is one.
+fn head_input(head: &Option<PredictionHead>, hidden: &Tensor) -> Tensor {
+    match head {
+        Some(h) => h.forward(hidden),
+        None => hidden.shallow_clone(),
     }
 }
 

@@ -176,6 +176,8 @@ fn ignored_on_load(key: &str, tied: bool) -> bool {
         || key == "lm_head.decoder.weight"
         || key == "lm_head.decoder.bias"
         || key == "vocab_projector.weight"
+        || (tied && key == "generator_lm_head.weight")
+        || (tied && key == "decoder.weight")
 }
 
 /// Copies the checkpoint into the model's variables; see the module doc for the rules.

@@ -11,18 +11,20 @@
 //! Adding a task: a module here implementing [`TaskData`] and [`EvalSet`], a `TaskName`
 //! variant with its head (config.rs), and one line in [`read`].
 
-pub mod causal_lm;
+pub mod language_modeling;
 pub mod question_answering;
 pub mod sequence_classification;
+pub mod token_classification;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::config::{Config, TaskName};
 use crate::data::batching::Feature;
+use crate::data::masking::Masking;
 use crate::models::{HfConfig, ModelOutput};
 
 /// The run's data files, resolved to local paths.
@@ -77,6 +79,9 @@ pub trait TaskData {
 pub struct Tokenized {
     pub train: Vec<Feature>,
     pub eval: Option<Box<dyn EvalSet>>,
+    /// Masked LM: how training features are masked as they are batched (fresh masks every
+    /// step, as transformers' collator draws them).
+    pub masking: Option<Masking>,
 }
 
 /// Evaluation data and how the task scores it. Evaluation runs the model over
@@ -103,10 +108,12 @@ pub fn read(config: &Config, files: &DataFiles, report: bool) -> Result<Box<dyn 
         TaskName::SeqCls => Box::new(sequence_classification::SeqClsData::read(
             config, files, report,
         )?),
+        TaskName::TokenCls => Box::new(token_classification::TokenClsData::read(
+            config, files, report,
+        )?),
         TaskName::Qa => Box::new(question_answering::QaData::read(config, files, report)?),
-        TaskName::Mlm => {
-            bail!("model.task: \"mlm\" training is not supported yet (\"seq-cls\", \"qa\" and \"causal-lm\" are)")
+        TaskName::Mlm | TaskName::CausalLm => {
+            Box::new(language_modeling::LmData::read(config, files, report)?)
         }
-        TaskName::CausalLm => Box::new(causal_lm::LmData::read(config, files, report)?),
     })
 }

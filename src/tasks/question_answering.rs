@@ -111,7 +111,11 @@ impl TaskData for QaData {
                 post: self.post,
             }))
         };
-        Ok(Tokenized { train, eval })
+        Ok(Tokenized {
+            train,
+            eval,
+            masking: None,
+        })
     }
 }
 

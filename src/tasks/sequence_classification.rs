@@ -121,7 +121,11 @@ impl TaskData for SeqClsData {
                 labels: self.labels.clone(),
             }) as Box<dyn EvalSet>
         });
-        Ok(Tokenized { train, eval })
+        Ok(Tokenized {
+            train,
+            eval,
+            masking: None,
+        })
     }
 }
 
@@ -150,10 +154,10 @@ impl EvalSet for SeqClsEval {
         outputs: &[f32],
         _predictions_dir: Option<&Path>,
     ) -> Result<BTreeMap<String, f64>> {
-        let gold = self.features.iter().map(|f| match f.target {
-            Target::Class(c) => c as f64,
-            Target::Value(v) => v,
-            Target::Span(..) | Target::NextTokens { .. } => f64::NAN,
+        let gold = self.features.iter().map(|f| match &f.target {
+            Target::Class(c) => *c as f64,
+            Target::Value(v) => *v,
+            _ => f64::NAN,
         });
         Ok(match &self.labels {
             LabelKind::Regression => {

@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use crate::config::Config;
 use crate::data::batching::{decode_features, encode_features, Feature};
 use crate::dist::Dist;
-use crate::hub;
+use crate::hub::{self, SplitChoice};
 use crate::tasks::{DataFiles, Shards};
 
 /// Training and evaluation files, and the fraction to hold out when there is no evaluation
@@ -20,10 +20,14 @@ pub fn resolve_data(config: &Config, report: bool) -> Result<DataFiles> {
         if dc.train_file.is_empty() {
             bail!("data.train_file: no training file given");
         }
+        let choice = |split| SplitChoice {
+            config: &dc.dataset_config,
+            split,
+        };
         Ok(DataFiles {
-            train: hub::resolve_data_file(&dc.train_file)?,
+            train: hub::resolve_data_file(&dc.train_file, choice(&dc.train_split_name))?,
             eval: (!dc.eval_file.is_empty())
-                .then(|| hub::resolve_data_file(&dc.eval_file))
+                .then(|| hub::resolve_data_file(&dc.eval_file, choice(&dc.eval_split_name)))
                 .transpose()?,
             eval_split: dc.eval_split,
         })

@@ -27,12 +27,14 @@ use serde_json::{json, Value};
 use crate::checkpoint::{self, ModelFiles, TrainerState};
 use crate::config::{Config, EvalStrategy, TrainConfig};
 use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
+use crate::data::masking::Masking;
 use crate::dist::Dist;
 use crate::models::layers::{seed_dropout, AutocastGuard};
 use crate::models::TaskModel;
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::{MetricsLog, Progress};
 use crate::tasks::{self, EvalSet};
+use crate::tensorboard::EventWriter;
 use dataset::resolve_data;
 use eval::{evaluate, write_eval_results, EvalOptions};
 use grad_sync::{agree_and_broadcast, GradSync};
@@ -137,6 +139,8 @@ pub struct Trainer<'a> {
     /// Token count of each training feature, for length grouping.
     lengths: Vec<usize>,
     eval: Option<Box<dyn EvalSet>>,
+    /// Masked LM: masks drawn for each micro-batch from the step and example indices.
+    masking: Option<Masking>,
     plan: BatchPlan,
     steps_per_epoch: usize,
     total_steps: usize,
@@ -144,11 +148,16 @@ pub struct Trainer<'a> {
     sync: GradSync,
     state: TrainerState,
     log: Option<MetricsLog>,
+    /// TensorBoard event file (rank 0, `train.report_to`).
+    tensorboard: Option<EventWriter>,
     progress: Progress,
     /// Since the last log record, and since the start of this process's run.
     window: StepWindow,
     run_totals: StepWindow,
+    /// The last evaluation's metrics (with the epoch), reported at the end.
     final_eval: BTreeMap<String, f64>,
+    /// Early stopping asked to end training.
+    stop: bool,
 }
 
 impl<'a> Trainer<'a> {
@@ -189,6 +198,9 @@ impl<'a> Trainer<'a> {
         let log = root
             .then(|| MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some()))
             .transpose()?;
+        let tensorboard = (root && config.train.report_to.iter().any(|r| r == "tensorboard"))
+            .then(|| EventWriter::create(&out.join("runs")))
+            .transpose()?;
         Ok(Trainer {
             config,
             dist,
@@ -203,6 +215,7 @@ impl<'a> Trainer<'a> {
             tokenizer_json: p.tokenizer_json,
             train: p.train,
             eval: p.eval,
+            masking: p.masking,
             plan,
             steps_per_epoch,
             total_steps,
@@ -210,9 +223,11 @@ impl<'a> Trainer<'a> {
             sync,
             state,
             log,
+            tensorboard,
             window: StepWindow::default(),
             run_totals: StepWindow::default(),
             final_eval: BTreeMap::new(),
+            stop: false,
         })
     }
 
@@ -220,7 +235,7 @@ impl<'a> Trainer<'a> {
     /// then saves the final model.
     pub fn run(mut self) -> Result<Summary> {
         self.announce_start()?;
-        while self.state.global_step < self.total_steps {
+        while self.state.global_step < self.total_steps && !self.stop {
             let batches = self.plan.epoch(&self.lengths, self.state.epoch);
             let mut epoch_done = false;
             for (index, global) in batches.iter().enumerate().skip(self.state.batch_in_epoch) {
@@ -230,11 +245,11 @@ impl<'a> Trainer<'a> {
                 let epoch = self.state.epoch as f64
                     + self.state.batch_in_epoch as f64 / batches.len() as f64;
                 self.after_step(&outcome, epoch, epoch_done, last)?;
-                if last || epoch_done {
+                if last || epoch_done || self.stop {
                     break;
                 }
             }
-            if !epoch_done && self.state.global_step < self.total_steps {
+            if !epoch_done && self.state.global_step < self.total_steps && !self.stop {
                 // Only reachable when resuming exactly at an epoch's end.
                 self.state.epoch += 1;
                 self.state.batch_in_epoch = 0;
@@ -256,7 +271,18 @@ impl<'a> Trainer<'a> {
         self.sync.begin(self.state.global_step + 1);
         for (m, indices) in micro.iter().enumerate() {
             let t = Instant::now();
-            let batch: Vec<&Feature> = indices.iter().map(|&i| &self.train[i]).collect();
+            let masked: Vec<Feature>;
+            let batch: Vec<&Feature> = match &self.masking {
+                Some(masking) => {
+                    let step = self.state.global_step as u64;
+                    masked = indices
+                        .iter()
+                        .map(|&i| masking.mask(&self.train[i], step, i))
+                        .collect();
+                    masked.iter().collect()
+                }
+                None => indices.iter().map(|&i| &self.train[i]).collect(),
+            };
             let pad_id = self.model.config.pad_token_id;
             let (inputs, real_tokens) = collate(&batch, pad_id, self.config.pad_to());
             let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
@@ -349,10 +375,12 @@ impl<'a> Trainer<'a> {
             EvalStrategy::Epoch => epoch_done,
             EvalStrategy::No => false,
         };
-        if eval_now || last {
-            self.evaluate(epoch, last)?;
-        }
-        if self.dist.is_root() && ((tc.save_steps > 0 && step % tc.save_steps == 0) || last) {
+        let evaluated = (eval_now || last) && self.evaluate(epoch)?;
+        let save_now = (tc.save_steps > 0 && step % tc.save_steps == 0)
+            || last
+            || self.stop
+            || (evaluated && tc.load_best_model_at_end);
+        if self.dist.is_root() && save_now {
             let dir = checkpoint::save_checkpoint(
                 &self.out,
                 &self.files(),
@@ -365,10 +393,11 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// Evaluates on the held-out set, if there is one; keeps the last evaluation's metrics.
-    fn evaluate(&mut self, epoch: f64, last: bool) -> Result<()> {
+    /// Evaluates on the held-out set, if there is one (returns whether there was); keeps the
+    /// metrics, tracks the best model and decides on early stopping.
+    fn evaluate(&mut self, epoch: f64) -> Result<bool> {
         let Some(set) = self.eval.as_deref() else {
-            return Ok(());
+            return Ok(false);
         };
         let options = EvalOptions::new(self.config, Some(&self.out));
         let mut metrics = evaluate(&self.model, set, &options, self.dist)?;
@@ -377,9 +406,52 @@ impl<'a> Trainer<'a> {
             record[k] = json!(v);
         }
         self.record(record)?;
-        if last {
-            metrics.insert("epoch".into(), epoch);
-            self.final_eval = metrics;
+        self.track_best(&metrics)?;
+        metrics.insert("epoch".into(), epoch);
+        self.final_eval = metrics;
+        Ok(true)
+    }
+
+    /// transformers' best-model bookkeeping and EarlyStoppingCallback, on every rank alike
+    /// (the metrics are): an evaluation that does not beat the best so far by more than the
+    /// threshold counts towards the patience; one that beats it (strictly) is the new best.
+    fn track_best(&mut self, metrics: &BTreeMap<String, f64>) -> Result<()> {
+        let ec = &self.config.eval;
+        if !self.config.train.load_best_model_at_end && ec.early_stopping_patience == 0 {
+            return Ok(());
+        }
+        let key = ec.best_metric_key();
+        let Some(&value) = metrics.get(&key) else {
+            bail!(
+                "eval.metric_for_best_model: the evaluation has no {key:?} (it has {})",
+                metrics.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+        };
+        let s = &mut self.state;
+        let best = s.best_metric;
+        if best.is_none_or(|b| ec.improves(value, b, ec.early_stopping_threshold)) {
+            s.early_stopping_patience_counter = 0;
+        } else {
+            s.early_stopping_patience_counter += 1;
+        }
+        if best.is_none_or(|b| ec.improves(value, b, 0.0)) {
+            s.best_metric = Some(value);
+            s.best_global_step = Some(s.global_step);
+            s.best_model_checkpoint = self
+                .config
+                .train
+                .load_best_model_at_end
+                .then(|| checkpoint::checkpoint_dir(&self.out, s.global_step));
+        }
+        let patience = ec.early_stopping_patience;
+        if patience > 0 && s.early_stopping_patience_counter >= patience {
+            self.stop = true;
+            self.progress.note(&format!(
+                "early stopping at step {}: {key} has not improved for {patience} evaluations (best {} at step {})",
+                s.global_step,
+                s.best_metric.unwrap_or(value),
+                s.best_global_step.unwrap_or(0)
+            ));
         }
         Ok(())
     }
@@ -389,6 +461,9 @@ impl<'a> Trainer<'a> {
     fn record(&mut self, record: Value) -> Result<()> {
         if let Some(log) = self.log.as_mut() {
             log.write(&record)?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.write_record(&record)?;
         }
         self.progress.log(&record);
         self.state.log_history.push(record);
@@ -446,6 +521,28 @@ impl<'a> Trainer<'a> {
                 "event": "train_end", "step": self.state.global_step,
                 "peak_rss_mib": crate::sysinfo::peak_rss_mib(),
             }))?;
+        }
+        if let (true, Some(best)) = (
+            self.config.train.load_best_model_at_end,
+            self.state.best_model_checkpoint.clone(),
+        ) {
+            // The final model, and its results, are the best evaluation's.
+            if root {
+                checkpoint::load_weights(&best, &self.vs, &self.model)?;
+                tracing::info!("final model: the best one, {}", best.display());
+            }
+            if let Some(record) = self.state.log_history.iter().rev().find(|r| {
+                r["step"].as_u64() == self.state.best_global_step.map(|s| s as u64)
+                    && r.get("eval_loss").is_some()
+            }) {
+                self.final_eval = record
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter(|(k, _)| k.starts_with("eval_") || *k == "epoch")
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+                    .collect();
+            }
         }
         if root {
             checkpoint::save_final(&self.out, &self.files())?;

@@ -10,6 +10,7 @@ use super::dataset::MpiShards;
 use crate::checkpoint;
 use crate::config::{Config, Precision};
 use crate::data::batching::Feature;
+use crate::data::masking::Masking;
 use crate::dist::Dist;
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
@@ -120,6 +121,7 @@ pub struct Prepared {
     pub tokenizer_json: PathBuf,
     pub train: Vec<Feature>,
     pub eval: Option<Box<dyn EvalSet>>,
+    pub masking: Option<Masking>,
 }
 
 /// Builds the model with the task's head from `source`, `data` adapting its config.json
@@ -141,13 +143,18 @@ pub fn prepare(
         max_seq_len: config.model.max_seq_len,
         eos_id: pretrained.model.config.eos_token_ids.first().copied(),
     };
-    let Tokenized { train, eval } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
+    let Tokenized {
+        train,
+        eval,
+        masking,
+    } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
     Ok(Prepared {
         vs: pretrained.vs,
         model: pretrained.model,
         tokenizer_json,
         train,
         eval,
+        masking,
     })
 }
 

@@ -119,6 +119,34 @@ pub fn write_sentences(
     std::fs::write(path, text).unwrap();
 }
 
+/// Words of the tiny fixture tokenizer's vocabulary, with a tag rule the model can learn:
+/// places are LOC, "most populous" a two-word MISC, everything else O.
+const FILLER: [&str; 10] = [
+    "the", "movie", "was", "a", "delight", "it", "rained", "all", "day", "city",
+];
+const PLACES: [&str; 3] = ["paris", "france", "normandy"];
+
+/// `n` CoNLL sentences (token TAB tag), seeded.
+pub fn write_conll(path: &Path, n: usize, seed: usize) {
+    let mut out = String::from("-DOCSTART-\tO\n\n");
+    let mut x = seed;
+    let mut next = |m: usize| {
+        x = (x * 1_103_515_245 + 12_345) % 2_147_483_648;
+        (x / 65_536) % m
+    };
+    for _ in 0..n {
+        for _ in 0..3 + next(5) {
+            match next(6) {
+                0 => out += &format!("{}\tB-LOC\n", PLACES[next(3)]),
+                1 => out += "most\tB-MISC\npopulous\tI-MISC\n",
+                _ => out += &format!("{}\tO\n", FILLER[next(10)]),
+            }
+        }
+        out += "\n";
+    }
+    std::fs::write(path, out).unwrap();
+}
+
 /// Single texts through `tok`, padded into one batch as training and predict pad them.
 pub fn encode_batch(
     tok: &sprtrain::data::tokenizer::TextTokenizer,

@@ -1,8 +1,10 @@
-//! Causal language modelling, as transformers' run_clm.py (texts tokenized, concatenated and
+//! Language modelling. Causal, as transformers' run_clm.py (texts tokenized, concatenated and
 //! cut into blocks of `model.max_seq_len`, or one text per sequence), and instruction tuning
 //! as TRL's SFTTrainer with `completion_only_loss` (prompt/completion pairs, or chat messages
-//! rendered with the tokenizer's chat template; only the completion is scored). Evaluation
-//! reports the loss per scored token and its perplexity.
+//! rendered with the tokenizer's chat template; only the completion is scored). Masked, as
+//! run_mlm.py (the same blocks, or one line per sequence with `data.packing = false`; tokens
+//! masked as they are batched, see `data::masking`). Evaluation reports the loss per scored
+//! token and its perplexity.
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -13,10 +15,11 @@ use serde_json::Value as Json;
 use tch::{Kind, Reduction};
 
 use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
-use crate::config::{Config, DataConfig};
+use crate::config::{Config, DataConfig, TaskName};
 use crate::data::batching::{batch_labels, split_off_held_out, Feature, Target};
 use crate::data::chat::{validate_messages, ChatTemplate};
-use crate::data::tokenizer::load_untruncated;
+use crate::data::masking::{Masking, EVAL_KEY};
+use crate::data::tokenizer::{load_tokenizer, load_untruncated, Truncation};
 use crate::models::{HfConfig, Labels, ModelOutput};
 
 /// One training example.
@@ -112,8 +115,18 @@ pub fn read_examples(path: &Path, data: &DataConfig) -> Result<Vec<LmExample>> {
     Ok(out)
 }
 
-/// Causal-LM examples.
+/// Masked LM's settings (`data.mlm_probability`, `data.whole_word_mask`, the run's seed).
+#[derive(Debug, Clone, Copy)]
+struct MaskedLm {
+    probability: f64,
+    whole_word: bool,
+    seed: u64,
+}
+
+/// Language-modelling examples.
 pub struct LmData {
+    /// Masked LM; None for causal.
+    masked: Option<MaskedLm>,
     train: Vec<LmExample>,
     eval: Vec<LmExample>,
     /// Held-out fraction of the packed training stream (no eval file, packing on).
@@ -125,7 +138,28 @@ pub struct LmData {
 
 impl LmData {
     pub fn read(config: &Config, files: &DataFiles, report: bool) -> Result<Self> {
-        let mut train = read_examples(&files.train, &config.data)?;
+        let masked = (config.model.task == TaskName::Mlm).then_some(MaskedLm {
+            probability: config.data.mlm_probability,
+            whole_word: config.data.whole_word_mask,
+            seed: config.runtime.seed,
+        });
+        let read = |path: &Path| -> Result<Vec<LmExample>> {
+            let mut examples = read_examples(path, &config.data)?;
+            if masked.is_some() {
+                if examples.iter().any(|e| !matches!(e, LmExample::Text(_))) {
+                    bail!(
+                        "{}: masked-LM training reads plain text (lines, or a text field), not prompts or messages",
+                        path.display()
+                    );
+                }
+                if !config.data.packing {
+                    // run_mlm.py's line_by_line skips empty and whitespace-only lines.
+                    examples.retain(|e| !matches!(e, LmExample::Text(t) if t.trim().is_empty()));
+                }
+            }
+            Ok(examples)
+        };
+        let mut train = read(&files.train)?;
         if train.is_empty() {
             bail!("{} holds no examples", files.train.display());
         }
@@ -138,7 +172,7 @@ impl LmData {
         }
         let mut stream_holdout = 0.0;
         let eval = if let Some(path) = &files.eval {
-            read_examples(path, &config.data)?
+            read(path)?
         } else if files.eval_split > 0.0 && packing {
             // The end of the text, as nanoGPT's and most LM splits: no block of it is seen in
             // training, and no held-out block overlaps a training one.
@@ -154,6 +188,7 @@ impl LmData {
             s => s,
         };
         Ok(LmData {
+            masked,
             train,
             eval,
             stream_holdout,
@@ -289,13 +324,18 @@ fn blocks(stream: &[i64], block: usize, stride: usize) -> Vec<Feature> {
 
 impl TaskData for LmData {
     fn adapt(&self, config: &mut HfConfig) -> Result<()> {
-        if !config.arch.is_decoder() {
-            bail!(
+        match (self.masked.is_some(), config.arch.is_decoder()) {
+            (false, false) => bail!(
                 "model.task \"causal-lm\" needs a decoder (gpt2, llama, mistral, qwen2, qwen3); the model is {}",
                 config.arch.class_stem()
-            );
+            ),
+            (true, true) => bail!(
+                "model.task \"mlm\" needs an encoder ({}); the model is {}",
+                crate::models::hf_config::ENCODER_MODEL_TYPES,
+                config.arch.class_stem()
+            ),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     fn has_eval(&self) -> bool {
@@ -312,8 +352,20 @@ impl TaskData for LmData {
             .tokenizer_json
             .parent()
             .unwrap_or_else(|| Path::new("."));
+        // Masked LM's sequences keep their closing special token when truncated, as
+        // run_mlm.py's truncating tokenizer does; causal texts are cut after tokenization.
+        let tokenizer = if self.masked.is_some() && !self.packing {
+            load_tokenizer(
+                options.tokenizer_json,
+                options.max_seq_len,
+                Truncation::LongestFirst,
+                0,
+            )?
+        } else {
+            load_untruncated(options.tokenizer_json)?
+        };
         let tok = LmTokenizer {
-            tokenizer: load_untruncated(options.tokenizer_json)?,
+            tokenizer,
             chat: ChatTemplate::find(dir)?,
             eos_id: options.eos_id,
             max_len: options.max_seq_len,
@@ -345,21 +397,48 @@ impl TaskData for LmData {
                 (train, eval)
             }
         };
-        let train = if eval_only { Vec::new() } else { train };
+        let mut train = if eval_only { Vec::new() } else { train };
         if !eval_only && train.is_empty() {
             bail!(
                 "the training data makes no sequence of model.max_seq_len = {block} tokens (too little text?)"
             );
         }
-        let eval: Option<Box<dyn EvalSet>> =
-            (!eval.is_empty()).then(|| Box::new(LmEval { features: eval }) as Box<dyn EvalSet>);
-        Ok(Tokenized { train, eval })
+        let masking = self
+            .masked
+            .map(|m| Masking::new(options.tokenizer_json, m.probability, m.whole_word, m.seed))
+            .transpose()?;
+        let eval = match &masking {
+            // Masked once, the same every evaluation.
+            Some(masking) => {
+                for f in &mut train {
+                    f.target = Target::Masked;
+                }
+                eval.iter()
+                    .enumerate()
+                    .map(|(i, f)| masking.mask(f, EVAL_KEY, i))
+                    .collect()
+            }
+            None => eval,
+        };
+        let eval: Option<Box<dyn EvalSet>> = (!eval.is_empty()).then(|| {
+            Box::new(LmEval {
+                features: eval,
+                causal: masking.is_none(),
+            }) as Box<dyn EvalSet>
+        });
+        Ok(Tokenized {
+            train,
+            eval,
+            masking,
+        })
     }
 }
 
 /// Held-out sequences, scored by the loss per predicted token.
 struct LmEval {
     features: Vec<Feature>,
+    /// Position t predicts token t + 1 (causal); else each scored position its own token.
+    causal: bool,
 }
 
 impl EvalSet for LmEval {
@@ -371,11 +450,19 @@ impl EvalSet for LmEval {
     fn batch_outputs(&self, output: &ModelOutput, batch: &[&Feature]) -> Result<Vec<f32>> {
         let (b, t, v) = output.logits.size3()?;
         let Labels::Tokens(labels) = batch_labels(batch, t as usize)? else {
-            bail!("causal-LM evaluation needs token labels");
+            bail!("language-model evaluation needs token labels");
         };
-        let logits = output.logits.narrow(1, 0, t - 1).to_kind(Kind::Float);
-        let targets = labels.narrow(1, 1, t - 1);
+        let (logits, targets) = if self.causal {
+            (
+                output.logits.narrow(1, 0, t - 1),
+                labels.narrow(1, 1, t - 1),
+            )
+        } else {
+            (output.logits.shallow_clone(), labels)
+        };
+        let positions = targets.size()[1];
         let nll = logits
+            .to_kind(Kind::Float)
             .reshape([-1, v])
             .cross_entropy_loss::<tch::Tensor>(
                 &targets.reshape([-1]),
@@ -384,7 +471,7 @@ impl EvalSet for LmEval {
                 -100,
                 0.0,
             )
-            .view([b, t - 1]);
+            .view([b, positions]);
         let sums = Vec::<f32>::try_from(nll.sum_dim_intlist(1, false, Kind::Float))?;
         let counts = Vec::<f32>::try_from(targets.ne(-100).sum_dim_intlist(1, false, Kind::Float))?;
         Ok(sums
