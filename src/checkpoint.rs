@@ -49,6 +49,12 @@ pub struct TrainerState {
     /// Evaluations in a row that did not improve the metric enough (early stopping).
     #[serde(default)]
     pub early_stopping_patience_counter: usize,
+    /// Examples per optimizer step (batch size x accumulation x processes) and the number of
+    /// processes of the run that saved this state; 0 in checkpoints from before they were kept.
+    #[serde(default)]
+    pub global_batch: usize,
+    #[serde(default)]
+    pub world_size: usize,
 }
 
 impl TrainerState {
@@ -66,6 +72,8 @@ impl TrainerState {
             best_global_step: None,
             best_model_checkpoint: None,
             early_stopping_patience_counter: 0,
+            global_batch: 0,
+            world_size: 0,
         }
     }
 }

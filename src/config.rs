@@ -297,6 +297,9 @@ pub struct TrainConfig {
     /// Where metrics go besides metrics.jsonl: ["tensorboard"] writes TensorBoard event files
     /// into `output_dir`/runs; [] = nowhere else.
     pub report_to: Vec<String>,
+    /// Resume even when batch size x accumulation x processes differs from the checkpoint's
+    /// (the run then no longer follows the saved run's batches exactly).
+    pub allow_global_batch_change: bool,
 }
 
 impl Default for TrainConfig {
@@ -324,6 +327,7 @@ impl Default for TrainConfig {
             save_total_limit: 0,
             load_best_model_at_end: false,
             report_to: Vec::new(),
+            allow_global_batch_change: false,
         }
     }
 }

@@ -178,6 +178,93 @@ fn masked_lm_two_ranks_equal_one_rank_with_accumulation() {
     let _ = lm_two_ranks_equal_one_rank(&mpirun, &bert, "mlm");
 }
 
+/// Copies checkpoint `step` of run `from` into an empty output directory `to`, as if the run
+/// that wrote `to` had been stopped right after saving it.
+fn only_checkpoint(from: &Path, step: usize, to: &Path) {
+    let name = format!("checkpoint-{step}");
+    std::fs::create_dir_all(to.join(&name)).unwrap();
+    for e in std::fs::read_dir(from.join(&name)).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(&name).join(e.file_name())).unwrap();
+    }
+}
+
+/// A run saved under 2 ranks continues under 1 rank with 2-fold accumulation, and one saved
+/// under 1 rank continues under 2: the same global batches and dropout masks, so per-step
+/// losses and final weights equal the uninterrupted run's (within 1e-5, the summation-order
+/// difference between the two layouts). A changed global batch is refused, unless allowed.
+#[test]
+fn resume_at_another_world_size_continues_exactly() {
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = mpi_data(tmp.path());
+    let train = |config: &Path, ranks: usize, extra: &[&str]| {
+        let mut cmd = if ranks > 1 {
+            let mut c = Command::new(&mpirun);
+            c.args(["-n", &ranks.to_string(), BIN]);
+            c
+        } else {
+            Command::new(BIN)
+        };
+        cmd.arg("--config")
+            .arg(config)
+            .args(["--set", "train.save_steps=4"])
+            .args(extra);
+        cmd.output().unwrap()
+    };
+    // (saved by: ranks, accumulation) -> (resumed by: ranks, accumulation)
+    for ((r1, a1), (r2, a2)) in [((2, 1), (1, 2)), ((1, 2), (2, 1))] {
+        let name = format!("{r1}x{a1}-then-{r2}x{a2}");
+        let (full_cfg, full) = mpi_config(tmp.path(), &data, &format!("{name}-full"), 4, a1, 8);
+        common::ok(train(&full_cfg, r1, &[]));
+        let (part_cfg, part) = mpi_config(tmp.path(), &data, &format!("{name}-part"), 4, a2, 8);
+        only_checkpoint(&full, 4, &part);
+        common::ok(train(&part_cfg, r2, &["--resume", "latest"]));
+        let (a, b) = (common::train_losses(&full), common::train_losses(&part));
+        assert_eq!(
+            b.iter().map(|x| x.0).collect::<Vec<_>>(),
+            [5, 6, 7, 8],
+            "{name}"
+        );
+        let want: Vec<f64> = a[4..].iter().map(|x| x.1).collect();
+        let got: Vec<f64> = b.iter().map(|x| x.1).collect();
+        let worst = max_rel_diff(&got, &want);
+        let wmax = max_weight_diff(&weights(&full), &weights(&part));
+        eprintln!("{name}: loss max relative difference {worst:e}, weights {wmax:e}");
+        assert!(worst <= 1e-5, "{name}: {got:?} vs {want:?}");
+        assert!(wmax <= 1e-5, "{name}: weights differ by {wmax:e}");
+    }
+
+    // One process without accumulation would take 4 examples a step where the run took 8.
+    let (full_cfg, full) = mpi_config(tmp.path(), &data, "saved", 4, 1, 8);
+    common::ok(train(&full_cfg, 2, &[]));
+    let (part_cfg, part) = mpi_config(tmp.path(), &data, "changed", 4, 1, 8);
+    only_checkpoint(&full, 4, &part);
+    let out = train(&part_cfg, 1, &["--resume", "latest"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("the checkpoint was trained with a global batch of 8 examples per step (2 process(es)); this run's is 4 (train.batch_size 4 x train.gradient_accumulation_steps 1 x 1 process(es))"),
+        "{stderr}"
+    );
+    let allowed = train(
+        &part_cfg,
+        1,
+        &[
+            "--resume",
+            "latest",
+            "--set",
+            "train.allow_global_batch_change=true",
+        ],
+    );
+    let log = common::ok(allowed);
+    assert!(
+        log.contains("continuing after the 32 examples of epoch 0 already seen"),
+        "{log}"
+    );
+}
+
 /// Ranks started with different configs (an MPMD launch, --set on rank 1 only) all stop with an
 /// error naming the key and the ranks, fast, never hanging.
 #[test]

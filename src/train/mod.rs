@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::checkpoint::{self, ModelFiles, TrainerState};
@@ -115,6 +115,35 @@ fn batch_plan(config: &Config, world: usize, examples: usize) -> Result<(BatchPl
     Ok((plan, steps_per_epoch, total_steps))
 }
 
+/// Where a resumed run continues in the saved run's data. The order of examples depends on
+/// the seed and the epoch alone, so at the same global batch the run continues exactly, at any
+/// number of processes (batch size x accumulation x processes may be factored anew). A changed
+/// global batch is refused unless allowed; then the run continues with the first global batch
+/// that starts after the examples of the epoch already seen.
+fn continue_data_position(state: &mut TrainerState, plan: &BatchPlan, allow: bool) -> Result<()> {
+    let (saved, now) = (state.global_batch, plan.global_batch());
+    if saved == 0 || saved == now {
+        return Ok(());
+    }
+    let this_run = format!(
+        "train.batch_size {} x train.gradient_accumulation_steps {} x {} process(es)",
+        plan.micro_batch, plan.accumulation, plan.world
+    );
+    if !allow {
+        bail!(
+            "the checkpoint was trained with a global batch of {saved} examples per step ({} process(es)); this run's is {now} ({this_run}): choose batch size and accumulation so that the product is {saved} to continue exactly, or set train.allow_global_batch_change = true",
+            state.world_size
+        );
+    }
+    let seen = state.batch_in_epoch * saved;
+    state.batch_in_epoch = seen.div_ceil(now);
+    tracing::warn!(
+        "the global batch changes from {saved} to {now} examples per step ({this_run}); continuing after the {seen} examples of epoch {} already seen",
+        state.epoch
+    );
+    Ok(())
+}
+
 /// The dropout stream's seed for one micro-batch: the same on every rank for the same
 /// micro-batch of the global batch.
 fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
@@ -191,10 +220,16 @@ impl<'a> Trainer<'a> {
         let sync = GradSync::new(&flat, &p.model, config);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
         let layout = opt.flat.layout();
-        let state = match &resume_dir {
-            Some(dir) => checkpoint::resume(dir, &mut opt.adamw, &layout, total_steps)?,
+        let mut state = match &resume_dir {
+            Some(dir) => {
+                let mut state = checkpoint::resume(dir, &mut opt.adamw, &layout, total_steps)?;
+                continue_data_position(&mut state, &plan, config.train.allow_global_batch_change)
+                    .with_context(|| format!("cannot resume from {}", dir.display()))?;
+                state
+            }
             None => TrainerState::start(layout, total_steps),
         };
+        (state.global_batch, state.world_size) = (plan.global_batch(), dist.topo.world);
         let log = root
             .then(|| MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some()))
             .transpose()?;
