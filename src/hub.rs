@@ -36,6 +36,22 @@ fn looks_like_path(spec: &str) -> bool {
         || spec.contains('\\')
 }
 
+/// A Hub repository id, revision or file path must stay inside the cache directory: no empty,
+/// `.` or `..` parts, no leading `/`, no backslash.
+fn check_hub_name(what: &str, name: &str) -> Result<()> {
+    if name.starts_with('/')
+        || name.contains('\\')
+        || name
+            .split('/')
+            .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        bail!(
+            "{what} {name:?} is not a valid Hugging Face Hub name (no empty, \".\" or \"..\" parts, no leading \"/\")"
+        );
+    }
+    Ok(())
+}
+
 /// Returns the directory holding config.json, the weights and tokenizer.json.
 pub fn resolve_model_dir(spec: &str, revision: &str) -> Result<PathBuf> {
     let path = Path::new(spec);
@@ -48,6 +64,8 @@ pub fn resolve_model_dir(spec: &str, revision: &str) -> Result<PathBuf> {
     if looks_like_path(spec) {
         bail!("model directory {spec} does not exist");
     }
+    check_hub_name("model id", spec)?;
+    check_hub_name("model revision", revision)?;
     let repo = Repo::with_revision(spec.to_string(), RepoType::Model, revision.to_string());
     if hub_offline() {
         from_cache(spec, revision, &repo, &Cache::from_env())
@@ -93,12 +111,24 @@ fn from_cache(spec: &str, revision: &str, repo: &Repo, cache: &Cache) -> Result<
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
 }
 
-fn download(spec: &str, revision: &str, repo: Repo) -> Result<PathBuf> {
-    let api = ApiBuilder::from_env()
-        .with_progress(false)
+/// The Hub client: endpoint and cache from the environment (HF_ENDPOINT, HF_HOME), the token
+/// from HF_TOKEN or else the cache's token file, as huggingface_hub takes them. The token is
+/// only ever sent to the Hub, never logged.
+fn hub_client() -> Result<hf_hub::api::sync::Api> {
+    let mut builder = ApiBuilder::from_env().with_progress(false);
+    if let Some(token) = std::env::var("HF_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        builder = builder.with_token(Some(token.trim().to_string()));
+    }
+    builder
         .build()
-        .context("cannot set up the Hugging Face Hub client")?;
-    let api = api.repo(repo);
+        .context("cannot set up the Hugging Face Hub client")
+}
+
+fn download(spec: &str, revision: &str, repo: Repo) -> Result<PathBuf> {
+    let api = hub_client()?.repo(repo);
     let fetch = |file: &str| {
         api.get(file).with_context(|| {
             format!(
@@ -141,10 +171,12 @@ pub fn resolve_data_file(spec: &str, choice: SplitChoice) -> Result<PathBuf> {
         _ => bail!("{spec}: expected hf://datasets/OWNER/NAME[@REVISION][/PATH]"),
     };
     let (name, revision) = name_rev.split_once('@').unwrap_or((name_rev, "main"));
-    if [owner, name].iter().any(|p| *p == "." || *p == "..") || file.split('/').any(|p| p == "..") {
-        bail!("{spec}: a Hub path cannot contain \"..\"");
-    }
     let repo_id = format!("{owner}/{name}");
+    check_hub_name("data set", &repo_id).with_context(|| spec.to_string())?;
+    check_hub_name("revision", revision).with_context(|| spec.to_string())?;
+    if !file.is_empty() {
+        check_hub_name("file", file).with_context(|| spec.to_string())?;
+    }
     let repo = Repo::with_revision(repo_id.clone(), RepoType::Dataset, revision.to_string());
     let source = DatasetSource::new(repo)?;
     let file = if file.is_empty() {
@@ -196,11 +228,7 @@ impl DatasetSource {
                 repo,
             });
         }
-        let api = ApiBuilder::from_env()
-            .with_progress(false)
-            .build()
-            .context("cannot set up the Hugging Face Hub client")?;
-        Ok(DatasetSource::Hub(api.repo(repo)))
+        Ok(DatasetSource::Hub(hub_client()?.repo(repo)))
     }
 
     /// Every file path of the repository at the revision.
