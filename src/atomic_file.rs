@@ -25,8 +25,11 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
+    crate::fault::point(&format!("{} written", tmp.display()));
     std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))?;
+    crate::fault::point(&format!("{} in place", path.display()));
+    Ok(())
 }
 
 /// Writes bytes to `path` atomically.

@@ -155,7 +155,7 @@ fn sort_keys(value: &mut serde_json::Value) {
 pub struct ModelFiles<'a> {
     pub model: &'a TaskModel,
     pub vs: &'a tch::nn::VarStore,
-    pub tokenizer_json: &'a Path,
+    pub tokenizer: &'a TokenizerFiles,
     pub resolved_config: &'a str,
     /// The model trained from (`model.name_or_path`), named by LoRA adapters.
     pub base_model: &'a str,
@@ -194,23 +194,41 @@ fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
         }
         None => write_full_model(dir, files.model, files.vs.variables().into_iter().collect())?,
     }
-    copy_tokenizer(files.tokenizer_json, dir)?;
+    files.tokenizer.write(dir)?;
     write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())
 }
 
 /// tokenizer.json plus the side files AutoTokenizer reads (and the chat template), where the
-/// source has them.
-pub fn copy_tokenizer(tokenizer_json: &Path, dir: &Path) -> Result<()> {
-    let source = tokenizer_json.parent().unwrap_or(Path::new("."));
-    for name in TOKENIZER_FILES {
-        let src = source.join(name);
-        if name == TOKENIZER_FILE || src.is_file() {
-            let bytes =
-                std::fs::read(&src).with_context(|| format!("cannot read {}", src.display()))?;
-            write_atomic(&dir.join(name), &bytes)?;
+/// source has them, read when a run starts: the directory they come from (the checkpoint a
+/// run resumed from) may be rotated away before the run's last save.
+pub struct TokenizerFiles(Vec<(&'static str, Vec<u8>)>);
+
+impl TokenizerFiles {
+    pub fn read(tokenizer_json: &Path) -> Result<Self> {
+        let source = tokenizer_json.parent().unwrap_or(Path::new("."));
+        let mut files = Vec::new();
+        for name in TOKENIZER_FILES {
+            let src = source.join(name);
+            if name == TOKENIZER_FILE || src.is_file() {
+                let bytes = std::fs::read(&src)
+                    .with_context(|| format!("cannot read {}", src.display()))?;
+                files.push((name, bytes));
+            }
         }
+        Ok(TokenizerFiles(files))
     }
-    Ok(())
+
+    /// Writes the files into `dir`, each atomically.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        self.0
+            .iter()
+            .try_for_each(|(name, bytes)| write_atomic(&dir.join(name), bytes))
+    }
+}
+
+/// Copies tokenizer.json and its side files beside it into `dir`.
+pub fn copy_tokenizer(tokenizer_json: &Path, dir: &Path) -> Result<()> {
+    TokenizerFiles::read(tokenizer_json)?.write(dir)
 }
 
 /// The final model at the root of the output directory (file by file, each atomic).
@@ -229,29 +247,41 @@ pub fn save_checkpoint(
     keep: usize,
 ) -> Result<PathBuf> {
     let final_dir = checkpoint_dir(output_dir, state.global_step);
-    let tmp = output_dir.join(format!(".{PREFIX}{}.partial", state.global_step));
+    let tmp = partial_dir(output_dir, state.global_step);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
     }
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    write_model_files(&tmp, files)?;
-    write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?;
-    write_atomic(
-        &tmp.join(TRAINER_STATE),
-        serde_json::to_string_pretty(state)?.as_bytes(),
-    )?;
+    let written = std::fs::create_dir_all(&tmp)
+        .with_context(|| format!("cannot create {}", tmp.display()))
+        .and_then(|()| {
+            write_model_files(&tmp, files)?;
+            write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?;
+            write_atomic(
+                &tmp.join(TRAINER_STATE),
+                serde_json::to_string_pretty(state)?.as_bytes(),
+            )
+        });
+    if let Err(e) = written {
+        // Give the space back (a full disk stays usable for the files that follow).
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
     if final_dir.exists() {
-        // Re-saving a step: swap the new directory in, then drop the old one.
-        let old = output_dir.join(format!(".{PREFIX}{}.old", state.global_step));
+        // Re-saving a step: swap the new directory in, then drop the old one (`recover`
+        // puts the old one back should the process end between the renames).
+        let old = old_dir(output_dir, state.global_step);
         std::fs::rename(&final_dir, &old)
             .with_context(|| format!("cannot move {}", final_dir.display()))?;
+        crate::fault::point("old checkpoint moved aside");
         std::fs::rename(&tmp, &final_dir)
             .with_context(|| format!("cannot move {}", tmp.display()))?;
+        crate::fault::point("checkpoint in place");
         std::fs::remove_dir_all(&old)
             .with_context(|| format!("cannot remove {}", old.display()))?;
     } else {
         std::fs::rename(&tmp, &final_dir)
             .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+        crate::fault::point("checkpoint in place");
     }
     if keep > 0 {
         let all = list_checkpoints(output_dir)?;
@@ -264,12 +294,69 @@ pub fn save_checkpoint(
             if Some(*step) == best {
                 continue;
             }
-            std::fs::remove_dir_all(old)
+            // Renamed away first, so no half-removed directory keeps a checkpoint's name.
+            let doomed = old_dir(output_dir, *step);
+            std::fs::rename(old, &doomed)
                 .with_context(|| format!("cannot remove {}", old.display()))?;
+            crate::fault::point("rotated checkpoint moved aside");
+            std::fs::remove_dir_all(&doomed)
+                .with_context(|| format!("cannot remove {}", doomed.display()))?;
+            crate::fault::point("rotated checkpoint removed");
             excess -= 1;
         }
     }
     Ok(final_dir)
+}
+
+/// Where the checkpoint of `step` is written before it is renamed into place.
+fn partial_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!(".{PREFIX}{step}.partial"))
+}
+
+/// Where a checkpoint goes while it is replaced or removed.
+fn old_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!(".{PREFIX}{step}.old"))
+}
+
+/// Tidies what a process killed during a save left in `output_dir`: partial checkpoints are
+/// removed, and an old checkpoint moved aside for a re-save of its step is put back when the
+/// new one never took its place (otherwise removed). Returns what it did, one line each.
+pub fn recover(output_dir: &Path) -> Result<Vec<String>> {
+    let mut done = Vec::new();
+    let Ok(entries) = std::fs::read_dir(output_dir) else {
+        return Ok(done);
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let path = entry.path();
+        let Some(rest) = name.strip_prefix(&format!(".{PREFIX}")) else {
+            continue;
+        };
+        if let Some(step) = rest.strip_suffix(".old").and_then(|s| s.parse().ok()) {
+            let dir = checkpoint_dir(output_dir, step);
+            if !dir.exists() && path.join(TRAINER_STATE).is_file() {
+                std::fs::rename(&path, &dir)
+                    .with_context(|| format!("cannot restore {}", dir.display()))?;
+                done.push(format!(
+                    "restored {} from an interrupted save",
+                    dir.display()
+                ));
+                continue;
+            }
+        } else if rest.strip_suffix(".partial").is_none() {
+            continue;
+        }
+        std::fs::remove_dir_all(&path)
+            .with_context(|| format!("cannot remove {}", path.display()))?;
+        done.push(format!(
+            "removed {}, left by an interrupted save",
+            path.display()
+        ));
+    }
+    for line in &done {
+        tracing::warn!("{line}");
+    }
+    Ok(done)
 }
 
 /// Where the checkpoint of `step` goes.

@@ -300,6 +300,22 @@ pub struct TrainConfig {
     /// Resume even when batch size x accumulation x processes differs from the checkpoint's
     /// (the run then no longer follows the saved run's batches exactly).
     pub allow_global_batch_change: bool,
+    /// What a failed checkpoint save (a full disk, a lost mount) does: "stop" ends the run with
+    /// the error, "continue" warns and trains on (earlier checkpoints stay intact either way;
+    /// the final model's save always counts).
+    pub on_save_error: OnSaveError,
+    /// On SIGTERM or SIGINT (what schedulers and Ctrl-C send), save a checkpoint at the next
+    /// step boundary, then exit non-zero (128 + the signal); a second signal ends the process
+    /// at once. false: the signal ends the process as it would any program.
+    pub save_on_signal: bool,
+}
+
+/// `train.on_save_error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnSaveError {
+    Stop,
+    Continue,
 }
 
 impl Default for TrainConfig {
@@ -328,6 +344,8 @@ impl Default for TrainConfig {
             load_best_model_at_end: false,
             report_to: Vec::new(),
             allow_global_batch_change: false,
+            on_save_error: OnSaveError::Stop,
+            save_on_signal: true,
         }
     }
 }
@@ -614,7 +632,8 @@ impl Config {
     pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
         let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
             let line = e.span().map(|s| line_of(text, s.start)).unwrap_or(0);
-            anyhow!("line {line}: {}", e.message().trim())
+            // toml's messages put their detail on a second line: one line for the user.
+            anyhow!("line {line}: {}", e.message().trim().replace('\n', "; "))
         })?;
         for o in overrides {
             apply_override(&mut table, o)?;
@@ -623,7 +642,7 @@ impl Config {
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
                 // The path runs down to the offending key, unknown keys included.
                 let key = e.path().to_string();
-                let message = e.inner().message().trim().to_string();
+                let message = e.inner().message().trim().replace('\n', "; ");
                 anyhow!("{key}: {message}")
             })?;
         config.validate()?;

@@ -236,6 +236,9 @@ fn main() -> ExitCode {
     // A panic is a bug in sprtrain, but the user still gets one line, not a backtrace.
     if std::env::var_os("RUST_BACKTRACE").is_none() {
         std::panic::set_hook(Box::new(|info| {
+            if sprtrain::panic_guard::is_catching() {
+                return; // reported as an error naming the file
+            }
             let msg = info
                 .payload()
                 .downcast_ref::<&str>()
@@ -248,9 +251,18 @@ fn main() -> ExitCode {
     }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            sprtrain::dist::eprint_line(&format!("sprtrain: error: {e:#}"));
-            ExitCode::FAILURE
-        }
+        Err(e) => match e.downcast_ref::<sprtrain::signals::Interrupted>() {
+            // Every rank stops alike; rank 0 (the one that saved) says so.
+            Some(stop) => {
+                if stop.root {
+                    sprtrain::dist::eprint_line(&format!("sprtrain: {stop}"));
+                }
+                ExitCode::from(stop.exit_code())
+            }
+            None => {
+                sprtrain::dist::eprint_line(&format!("sprtrain: error: {e:#}"));
+                ExitCode::FAILURE
+            }
+        },
     }
 }

@@ -171,6 +171,7 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        check_no_namespace_cycles(&source, &origin)?;
         env.add_template_owned("chat", source).map_err(|e| {
             anyhow!(
                 "{}: the chat template does not parse: {e}",
@@ -213,6 +214,44 @@ impl ChatTemplate {
     }
 }
 
+/// Jinja namespaces are mutable: one stored in a namespace's attribute (directly, or inside a
+/// list or dict) can close a cycle, which minijinja follows for ever when it prints or
+/// serialises the value — a stack overflow that ends the process. No real chat template
+/// stores a namespace in a namespace, so a template that might is refused.
+fn check_no_namespace_cycles(source: &str, origin: &Path) -> Result<()> {
+    static PATTERNS: std::sync::OnceLock<[regex::Regex; 4]> = std::sync::OnceLock::new();
+    let [defined, attribute_set, quoted, identifier] = PATTERNS.get_or_init(|| {
+        [
+            r"set\s+([A-Za-z_]\w*)\s*=\s*namespace\s*\(",
+            r"set\s+([A-Za-z_]\w*)\s*\.\s*\w+\s*=((?s:.)*?)-?%\}",
+            r#"'[^']*'|"[^"]*""#,
+            // A bare name: not an attribute (`x.ns`), nor one being read from (`ns.n`, `ns[k]`).
+            r"(^|[^.\w])([A-Za-z_]\w*)\s*([.\[(]?)",
+        ]
+        .map(|p| regex::Regex::new(p).expect("a valid pattern"))
+    });
+    let namespaces: Vec<&str> = defined
+        .captures_iter(source)
+        .filter_map(|c| c.get(1).map(|m| m.as_str()))
+        .collect();
+    for set in attribute_set.captures_iter(source) {
+        let value = quoted.replace_all(set.get(2).map_or("", |m| m.as_str()), "''");
+        if let Some(name) = identifier
+            .captures_iter(&value)
+            .filter(|c| c.get(3).is_none_or(|m| m.as_str().is_empty()))
+            .filter_map(|c| c.get(2).map(|m| m.as_str()))
+            .find(|name| namespaces.contains(name))
+        {
+            bail!(
+                "{}: the chat template stores namespace {name:?} in an attribute of namespace {:?}, which can make a cycle that cannot be rendered",
+                origin.display(),
+                set.get(1).map_or("", |m| m.as_str())
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Checks that `messages` is a list of {role, content} objects ending with the assistant's.
 pub fn validate_messages(messages: &Json) -> Result<&[Json]> {
     let list = messages
@@ -235,4 +274,35 @@ pub fn validate_messages(messages: &Json) -> Result<&[Json]> {
         bail!("the last message must be the assistant's (it is what the model learns to say)");
     }
     Ok(list)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(source: &str) -> Result<ChatTemplate> {
+        ChatTemplate::new(
+            source.into(),
+            Vec::new(),
+            PathBuf::from("tok/tokenizer_config.json"),
+        )
+    }
+
+    #[test]
+    fn a_namespace_stored_in_a_namespace_is_refused() {
+        for source in [
+            "{% set ns = namespace(turns=0) %}{% set ns.turns = ns %}{{ ns.turns }}",
+            "{%- set a = namespace() -%}{%- set b = namespace() -%}{%- set a.x = [1, b] -%}",
+        ] {
+            let e = template(source).err().expect("refused").to_string();
+            assert!(
+                e.starts_with("tok/tokenizer_config.json: the chat template stores namespace"),
+                "{e}"
+            );
+        }
+        // Attributes named like the namespace, strings that mention it and its own attributes
+        // are fine.
+        let ok = "{% set ns = namespace(n=0, s='') %}{% set ns.n = ns.n + 1 %}{% set ns.s = 'ns' ~ ns.s %}{{ ns.n }}";
+        assert_eq!(template(ok).unwrap().render(&[], false).unwrap(), "1");
+    }
 }

@@ -89,7 +89,14 @@ fn column_index(header: Option<&[String]>, column: &str, path: &Path) -> Result<
             format!(
                 "{}: no column {column:?} (columns: {})",
                 path.display(),
-                names.join(", ")
+                names
+                    .iter()
+                    .map(|n| match n.chars().any(char::is_control) {
+                        true => format!("{n:?}"),
+                        false => n.clone(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )
         }),
         None => column.parse().with_context(|| {
@@ -302,7 +309,9 @@ fn read_raw(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<Raw
         DataFormat::Csv => read_delimited(path, cfg, b',', bad),
         DataFormat::Tsv => read_delimited(path, cfg, b'\t', bad),
         DataFormat::Jsonl => read_jsonl(path, cfg, bad),
-        DataFormat::Parquet => read_parquet(path, cfg, bad),
+        DataFormat::Parquet => {
+            crate::panic_guard::catch(path, "the parquet reader", || read_parquet(path, cfg, bad))
+        }
         DataFormat::Conll => {
             bail!("data.format \"conll\" is for token classification (model.task \"token-cls\")")
         }
@@ -310,13 +319,17 @@ fn read_raw(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<Raw
     }
 }
 
+/// The largest class id read as an id: a head with more classes is a typo in the data (and
+/// would allocate a name for every id below it).
+pub const MAX_CLASS_ID: i64 = 65_535;
+
 /// Decides the label set: given names, or integer ids, or the sorted distinct strings.
-pub fn infer_labels(cfg: &ReadOptions, regression: bool, raw: &[&str]) -> LabelKind {
+pub fn infer_labels(cfg: &ReadOptions, regression: bool, raw: &[&str]) -> Result<LabelKind> {
     if regression {
-        return LabelKind::Regression;
+        return Ok(LabelKind::Regression);
     }
     if !cfg.label_names.is_empty() {
-        return LabelKind::Classes(cfg.label_names.clone());
+        return Ok(LabelKind::Classes(cfg.label_names.clone()));
     }
     // Any integer label makes all labels ids (anything else is then a bad row); only files
     // with no integer label at all use names.
@@ -325,16 +338,19 @@ pub fn infer_labels(cfg: &ReadOptions, regression: bool, raw: &[&str]) -> LabelK
         .filter_map(|s| s.trim().parse::<i64>().ok())
         .collect();
     if !ids.is_empty() {
-        let n = ids
-            .iter()
-            .copied()
-            .filter(|&i| i >= 0)
-            .max()
-            .map_or(0, |m| m + 1) as usize;
-        return LabelKind::Classes((0..n).map(|i| i.to_string()).collect());
+        let max = ids.iter().copied().filter(|&i| i >= 0).max();
+        if let Some(max) = max.filter(|&m| m > MAX_CLASS_ID) {
+            bail!(
+                "label {max} is not a plausible class id (at most {MAX_CLASS_ID}): for numeric targets set model.problem_type = \"regression\", for class names give data.label_names"
+            );
+        }
+        let n = max.map_or(0, |m| m + 1) as usize;
+        return Ok(LabelKind::Classes((0..n).map(|i| i.to_string()).collect()));
     }
     let distinct: std::collections::BTreeSet<&str> = raw.iter().map(|s| s.trim()).collect();
-    LabelKind::Classes(distinct.into_iter().map(str::to_string).collect())
+    Ok(LabelKind::Classes(
+        distinct.into_iter().map(str::to_string).collect(),
+    ))
 }
 
 fn resolve_label(raw: &str, kind: &LabelKind, at: &str) -> Result<f64> {
@@ -372,7 +388,8 @@ pub fn load_examples(
             cfg,
             regression,
             &raw.iter().map(|r| r.2.as_str()).collect::<Vec<_>>(),
-        ),
+        )
+        .with_context(|| format!("data file {}", path.display()))?,
     };
     let mut examples = Vec::with_capacity(raw.len());
     for (text, text_pair, label, at) in raw {

@@ -219,7 +219,9 @@ pub fn load_squad(path: &Path, options: QaReadOptions) -> Result<(Vec<QaExample>
     };
     let name = path.to_string_lossy().to_ascii_lowercase();
     if name.ends_with(".parquet") {
-        read_parquet_records(path, &mut c)?;
+        crate::panic_guard::catch(path, "the parquet reader", || {
+            read_parquet_records(path, &mut c)
+        })?;
     } else if name.ends_with(".jsonl") {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::{Encoding, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
 /// What to truncate when a pair is too long: both, longest first (classification), or only
@@ -12,6 +12,53 @@ use tokenizers::{Encoding, Tokenizer, TruncationDirection, TruncationParams, Tru
 pub enum Truncation {
     LongestFirst,
     OnlySecond,
+}
+
+/// Parses tokenizer.json. The JSON is checked first: the tokenizers crate panics on some
+/// malformed JSON (inside its own deserialisers) instead of returning an error; what
+/// still panics becomes an error.
+fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
+    if let Some(processor) = json.get("post_processor") {
+        check_templates(processor)
+            .with_context(|| format!("{} is not a valid tokenizer.json", path.display()))?;
+    }
+    crate::panic_guard::catch(path, "the tokenizers crate", || {
+        Tokenizer::from_bytes(&bytes)
+            .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))
+    })
+}
+
+/// A template post-processor must define every special token its templates use (the
+/// tokenizers crate would panic on the first encoding otherwise).
+fn check_templates(processor: &serde_json::Value) -> Result<()> {
+    match processor.get("type").and_then(|t| t.as_str()) {
+        Some("Sequence") => processor
+            .get("processors")
+            .and_then(|p| p.as_array())
+            .into_iter()
+            .flatten()
+            .try_for_each(check_templates),
+        Some("TemplateProcessing") => {
+            let defined = processor.get("special_tokens");
+            for template in ["single", "pair"] {
+                let pieces = processor.get(template).and_then(|t| t.as_array());
+                for piece in pieces.into_iter().flatten() {
+                    let Some(id) = piece.pointer("/SpecialToken/id").and_then(|i| i.as_str())
+                    else {
+                        continue;
+                    };
+                    if defined.and_then(|d| d.get(id)).is_none() {
+                        bail!("post_processor: the {template} template uses special token {id:?}, which its special_tokens do not define");
+                    }
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Loads `tokenizer.json` without its own padding, truncating to `max_len` tokens including
@@ -25,8 +72,7 @@ pub fn load_tokenizer(
     if !path.is_file() {
         bail!("tokenizer file {} does not exist", path.display());
     }
-    let mut inner = Tokenizer::from_file(path)
-        .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
+    let mut inner = read_tokenizer(path)?;
     inner.with_padding(None);
     let strategy = match truncation {
         Truncation::LongestFirst => TruncationStrategy::LongestFirst,
@@ -54,8 +100,7 @@ pub fn load_untruncated(path: &Path) -> Result<Tokenizer> {
     if !path.is_file() {
         bail!("tokenizer file {} does not exist", path.display());
     }
-    let mut inner = Tokenizer::from_file(path)
-        .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
+    let mut inner = read_tokenizer(path)?;
     inner.with_padding(None);
     inner
         .with_truncation(None)

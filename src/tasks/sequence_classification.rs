@@ -27,7 +27,7 @@ fn problem_type(model: &ModelConfig) -> Result<ProblemType> {
 }
 
 /// The classification reader's options from the `[data]` settings.
-pub(crate) fn read_options(data: &DataConfig) -> ReadOptions {
+pub fn read_options(data: &DataConfig) -> ReadOptions {
     ReadOptions {
         format: data.format,
         has_header: data.has_header,

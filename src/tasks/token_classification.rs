@@ -19,7 +19,7 @@ use crate::metrics::seqeval;
 use crate::models::{HfConfig, ModelOutput};
 
 /// The tagged-file reader's options from the `[data]` settings.
-fn read_options(data: &DataConfig) -> TagReadOptions {
+pub fn read_options(data: &DataConfig) -> TagReadOptions {
     TagReadOptions {
         format: data.format,
         tokens_column: data.tokens_column.clone(),

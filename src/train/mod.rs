@@ -24,8 +24,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::checkpoint::{self, ModelFiles, TrainerState};
-use crate::config::{Config, EvalStrategy, TrainConfig};
+use crate::checkpoint::{self, ModelFiles, TokenizerFiles, TrainerState};
+use crate::config::{Config, EvalStrategy, OnSaveError, TrainConfig};
 use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
 use crate::data::masking::Masking;
 use crate::dist::Dist;
@@ -33,6 +33,7 @@ use crate::models::layers::{seed_dropout, AutocastGuard};
 use crate::models::TaskModel;
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::{MetricsLog, Progress};
+use crate::signals::{self, Interrupted};
 use crate::tasks::{self, EvalSet};
 use crate::tensorboard::EventWriter;
 use dataset::resolve_data;
@@ -161,7 +162,7 @@ pub struct Trainer<'a> {
     _autocast: AutocastGuard,
     vs: tch::nn::VarStore,
     model: TaskModel,
-    tokenizer_json: PathBuf,
+    tokenizer: TokenizerFiles,
     /// The resolved config, saved with every checkpoint.
     resolved_config: String,
     train: Vec<Feature>,
@@ -187,6 +188,10 @@ pub struct Trainer<'a> {
     final_eval: BTreeMap<String, f64>,
     /// Early stopping asked to end training.
     stop: bool,
+    /// A stop signal ended training: the run saves, then ends with it.
+    interrupted: Option<i32>,
+    /// The newest checkpoint this run saved (rank 0).
+    last_checkpoint: Option<PathBuf>,
 }
 
 impl<'a> Trainer<'a> {
@@ -194,10 +199,16 @@ impl<'a> Trainer<'a> {
     /// when resuming), and agreement between processes on all of it.
     pub fn new(config: &'a Config, resume: Option<&str>, dist: &'a Dist) -> Result<Self> {
         let started = Instant::now();
+        if config.train.save_on_signal {
+            // From now on a signal waits for the first step boundary (the data and model may
+            // take a while to load).
+            signals::install()?;
+        }
         let root = dist.is_root();
         let out = PathBuf::from(&config.train.output_dir);
         if root {
             prepare_output_dir(&out, resume.is_some(), config.train.overwrite_output_dir)?;
+            checkpoint::recover(&out)?;
         }
         let resume_dir = resume
             .map(|spec| checkpoint::resume_dir(&out, spec))
@@ -247,7 +258,7 @@ impl<'a> Trainer<'a> {
             out,
             vs: p.vs,
             model: p.model,
-            tokenizer_json: p.tokenizer_json,
+            tokenizer: TokenizerFiles::read(&p.tokenizer_json)?,
             train: p.train,
             eval: p.eval,
             masking: p.masking,
@@ -263,6 +274,8 @@ impl<'a> Trainer<'a> {
             run_totals: StepWindow::default(),
             final_eval: BTreeMap::new(),
             stop: false,
+            interrupted: None,
+            last_checkpoint: None,
         })
     }
 
@@ -279,7 +292,13 @@ impl<'a> Trainer<'a> {
                 let last = self.state.global_step == self.total_steps;
                 let epoch = self.state.epoch as f64
                     + self.state.batch_in_epoch as f64 / batches.len() as f64;
+                if outcome.signal.is_some() {
+                    (self.interrupted, self.stop) = (outcome.signal, true);
+                }
                 self.after_step(&outcome, epoch, epoch_done, last)?;
+                if let Some(signal) = self.interrupted {
+                    return Err(self.interruption(signal));
+                }
                 if last || epoch_done || self.stop {
                     break;
                 }
@@ -351,9 +370,18 @@ impl<'a> Trainer<'a> {
         if distributed {
             self.sync.finish(&self.opt.flat, self.dist)?;
         }
-        let totals = self
-            .dist
-            .allreduce_sum_f64("step loss", vec![loss_sum, tokens as f64])?;
+        // A stop signal on any process reaches all of them with the step's sums.
+        let signal = signals::received();
+        let flag = |s: i32| f64::from(u8::from(signal == Some(s)));
+        let totals = self.dist.allreduce_sum_f64(
+            "step loss",
+            vec![
+                loss_sum,
+                tokens as f64,
+                flag(libc::SIGTERM),
+                flag(libc::SIGINT),
+            ],
+        )?;
         times.comm_exposed += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let update = self.opt.step(self.state.global_step);
@@ -372,6 +400,13 @@ impl<'a> Trainer<'a> {
             update,
             times,
             bytes_sent: self.dist.bytes_sent() - sent_before,
+            signal: if totals[2] > 0.0 {
+                Some(libc::SIGTERM)
+            } else if totals[3] > 0.0 {
+                Some(libc::SIGINT)
+            } else {
+                None
+            },
         })
     }
 
@@ -416,16 +451,67 @@ impl<'a> Trainer<'a> {
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
         if self.dist.is_root() && save_now {
-            let dir = checkpoint::save_checkpoint(
-                &self.out,
-                &self.files(),
-                &self.state,
-                &self.opt.adamw.moments(),
-                tc.save_total_limit,
-            )?;
-            self.progress.note(&format!("saved {}", dir.display()));
+            self.save_checkpoint()?;
         }
         Ok(())
+    }
+
+    /// Rank 0 saves a checkpoint of this step. A failed save has left every earlier checkpoint
+    /// as it was; it ends the run or, with `train.on_save_error = "continue"`, is reported
+    /// (log, metrics.jsonl) and training goes on.
+    fn save_checkpoint(&mut self) -> Result<()> {
+        let (tc, step) = (&self.config.train, self.state.global_step);
+        let saved = checkpoint::save_checkpoint(
+            &self.out,
+            &self.files(),
+            &self.state,
+            &self.opt.adamw.moments(),
+            tc.save_total_limit,
+        );
+        match saved {
+            Ok(dir) => {
+                self.progress.note(&format!("saved {}", dir.display()));
+                self.last_checkpoint = Some(dir);
+            }
+            Err(e) if tc.on_save_error == OnSaveError::Continue => {
+                let line = format!(
+                    "the checkpoint of step {step} was not saved: {e:#}; training goes on (train.on_save_error = \"continue\")"
+                );
+                tracing::warn!("{line}");
+                if let Some(log) = self.log.as_mut() {
+                    log.write(&json!({"event": "save_failed", "step": step, "error": format!("{e:#}")}))?;
+                }
+            }
+            Err(e) => {
+                return Err(e.context(format!(
+                    "the checkpoint of step {step} was not saved (earlier checkpoints are intact; train.on_save_error = \"continue\" trains on)"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The run's end after a stop signal, once rank 0 has saved: every rank reports it.
+    fn interruption(&mut self, signal: i32) -> anyhow::Error {
+        self.progress.finish();
+        let step = self.state.global_step;
+        if let Some(log) = self.log.as_mut() {
+            let record =
+                json!({"event": "interrupted", "signal": signals::name(signal), "step": step});
+            if let Err(e) = log.write(&record) {
+                return e;
+            }
+        }
+        Interrupted {
+            signal,
+            step,
+            checkpoint: self
+                .last_checkpoint
+                .clone()
+                .filter(|d| d == &checkpoint::checkpoint_dir(&self.out, step)),
+            root: self.dist.is_root(),
+        }
+        .into()
     }
 
     /// Evaluates on the held-out set, if there is one (returns whether there was); keeps the
@@ -509,7 +595,7 @@ impl<'a> Trainer<'a> {
         ModelFiles {
             model: &self.model,
             vs: &self.vs,
-            tokenizer_json: &self.tokenizer_json,
+            tokenizer: &self.tokenizer,
             resolved_config: &self.resolved_config,
             base_model: &self.config.model.name_or_path,
         }

@@ -217,7 +217,9 @@ pub fn on_every_rank<T>(
     let _rank =
         (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
     match job(&dist) {
-        Err(e) if dist.topo.world > 1 => {
+        // A stop signal ends every rank alike, once rank 0 has saved: no abort, which could
+        // end rank 0 mid-save; dropping `dist` waits for all ranks.
+        Err(e) if dist.topo.world > 1 && !e.is::<crate::signals::Interrupted>() => {
             crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
             dist.abort(1)
         }

@@ -34,6 +34,8 @@ pub struct StepOutcome {
     pub times: StepTimes,
     /// Payload bytes this process sent in the step's sums.
     pub bytes_sent: u64,
+    /// A stop signal (SIGTERM, SIGINT) that some process received before the step ended.
+    pub signal: Option<i32>,
 }
 
 /// Sums over steps since `start`.
