@@ -10,7 +10,8 @@
 //!
 //! Findings are written to target/fuzz-findings/TARGET/ and fail the run. Environment:
 //! `FUZZ_SECONDS` per target (default 30, what CI runs), `FUZZ_TARGETS` (comma-separated
-//! names; default all), `FUZZ_SEED`, `FUZZ_REPLAY=FILE` (run FILE through `FUZZ_TARGETS`).
+//! names; default all), `FUZZ_SEED`, `FUZZ_REPLAY=FILE` (run FILE through `FUZZ_TARGETS`),
+//! `FUZZ_LIST` (print the target names and exit).
 //! `scripts/fuzz.sh SECONDS` runs every target for that long.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -530,6 +531,10 @@ fn main() {
         .unwrap_or_default();
     // `cargo test` passes the test harness's flags; this harness takes none.
     if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if std::env::var_os("FUZZ_LIST").is_some() {
+        TARGETS.iter().for_each(|t| println!("{}", t.name));
         return;
     }
     let replay = std::env::var_os("FUZZ_REPLAY").map(PathBuf::from);
