@@ -251,8 +251,8 @@ fn two_nodes_train_like_one_process_with_accumulation() {
     eprintln!("node 1's link: sent {sent} B, received {received} B; gradients need {must_cross} B each way");
     assert!(sent >= must_cross && received >= must_cross);
 
-    // What metrics.jsonl says each rank sent per step: the fp32 gradient and the step's two
-    // f64 totals, 2 (N-1)/N of each.
+    // What metrics.jsonl says each rank sent per step: the fp32 gradient and the step's f64
+    // totals, 2 (N-1)/N of each.
     let metrics = std::fs::read_to_string(out4.join("metrics.jsonl")).unwrap();
     let per_step: Vec<f64> = metrics
         .lines()
@@ -260,7 +260,7 @@ fn two_nodes_train_like_one_process_with_accumulation() {
         .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
         .collect();
     let want = sprtrain::dist::allreduce_bytes(params as usize, 4, 4)
-        + sprtrain::dist::allreduce_bytes(2, 8, 4);
+        + sprtrain::dist::allreduce_bytes(sprtrain::train::STEP_TOTALS, 8, 4);
     assert_eq!(per_step.len(), steps);
     assert!(
         per_step.iter().all(|&b| b == want as f64),

@@ -160,8 +160,8 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
         .collect();
-    let want =
-        sprtrain::dist::allreduce_bytes(896, 4, 2) + sprtrain::dist::allreduce_bytes(2, 8, 2);
+    let want = sprtrain::dist::allreduce_bytes(896, 4, 2)
+        + sprtrain::dist::allreduce_bytes(sprtrain::train::STEP_TOTALS, 8, 2);
     assert_eq!(sent.len(), 12);
     assert!(sent.iter().all(|&b| b == want as f64), "{sent:?} vs {want}");
 }

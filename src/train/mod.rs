@@ -145,6 +145,10 @@ fn continue_data_position(state: &mut TrainerState, plan: &BatchPlan, allow: boo
     Ok(())
 }
 
+/// The f64 values every step sums over the processes besides the gradient: the loss, the
+/// real tokens, and a flag for each stop signal (SIGTERM, SIGINT).
+pub const STEP_TOTALS: usize = 4;
+
 /// The dropout stream's seed for one micro-batch: the same on every rank for the same
 /// micro-batch of the global batch.
 fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
@@ -373,15 +377,13 @@ impl<'a> Trainer<'a> {
         // A stop signal on any process reaches all of them with the step's sums.
         let signal = signals::received();
         let flag = |s: i32| f64::from(u8::from(signal == Some(s)));
-        let totals = self.dist.allreduce_sum_f64(
-            "step loss",
-            vec![
-                loss_sum,
-                tokens as f64,
-                flag(libc::SIGTERM),
-                flag(libc::SIGINT),
-            ],
-        )?;
+        let totals: [f64; STEP_TOTALS] = [
+            loss_sum,
+            tokens as f64,
+            flag(libc::SIGTERM),
+            flag(libc::SIGINT),
+        ];
+        let totals = self.dist.allreduce_sum_f64("step loss", totals.to_vec())?;
         times.comm_exposed += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let update = self.opt.step(self.state.global_step);
