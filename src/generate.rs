@@ -212,9 +212,12 @@ pub fn run(args: &GenerateArgs) -> Result<String> {
     } else {
         (args.prompt.clone(), true)
     };
-    let enc = tokenizer
-        .encode(text.as_str(), special)
-        .map_err(|e| anyhow!("cannot tokenize the prompt: {e}"))?;
+    let enc = tokenizer.encode(text.as_str(), special).map_err(|e| {
+        anyhow!(
+            "cannot tokenize the prompt with {}: {e}",
+            dir.join(TOKENIZER_FILE).display()
+        )
+    })?;
     let prompt: Vec<i64> = enc.get_ids().iter().map(|&i| i as i64).collect();
     let stop = if args.ignore_eos {
         Vec::new()

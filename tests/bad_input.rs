@@ -333,6 +333,27 @@ fn malformed_tokenizer_json() {
     assert!(e.contains("is not a valid tokenizer.json"), "{e}");
 }
 
+/// A WordPiece vocabulary without its unk_token (found by the fuzz harness): refused when the
+/// tokenizer loads, naming the file, not when the first unknown word is met.
+#[test]
+fn tokenizer_without_its_unknown_token() {
+    let (_t, dir) = model_copy("distilbert-seq-cls-single");
+    let path = dir.join("tokenizer.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let vocab = json["model"]["vocab"].as_object_mut().unwrap();
+    assert!(vocab.remove("[UNK]").is_some());
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let e = predict_error(&dir, None);
+    assert!(
+        e.contains(&format!(
+            "{} is not a valid tokenizer.json: the WordPiece model's unk_token \"[UNK]\" is not in its vocab",
+            path.display()
+        )),
+        "{e}"
+    );
+}
+
 #[test]
 fn bad_input_lines_name_file_and_line() {
     let dir = fixtures().join("parity").join("distilbert-seq-cls-single");

@@ -347,7 +347,10 @@ fn signal_rank_1(
     // its /proc entry until its memory is freed): allow it a few seconds to go.
     let gone_by = Instant::now() + Duration::from_secs(10);
     while rank_pid(&c, 0).is_some() {
-        assert!(Instant::now() < gone_by, "rank 0 is still running 10 s after the job ended");
+        assert!(
+            Instant::now() < gone_by,
+            "rank 0 is still running 10 s after the job ended"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     (status, took, stderr)

@@ -1,7 +1,7 @@
 //! A Hugging Face `tokenizer.json` (tokenizers crate), set up as transformers' fast tokenizers
 //! are with `truncation=True` (padding happens per batch, in `batching::collate`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::{Encoding, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
@@ -23,6 +23,10 @@ fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
         .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))?;
     if let Some(processor) = json.get("post_processor") {
         check_templates(processor)
+            .with_context(|| format!("{} is not a valid tokenizer.json", path.display()))?;
+    }
+    if let Some(model) = json.get("model") {
+        check_unknown_token(model)
             .with_context(|| format!("{} is not a valid tokenizer.json", path.display()))?;
     }
     crate::panic_guard::catch(path, "the tokenizers crate", || {
@@ -59,6 +63,24 @@ fn check_templates(processor: &serde_json::Value) -> Result<()> {
         }
         _ => Ok(()),
     }
+}
+
+/// A WordPiece, WordLevel or BPE model maps what it does not know to its `unk_token`, so that
+/// token must be in its vocabulary (otherwise the first unknown word fails to encode, deep in
+/// a run). A BPE model without one (GPT-2's byte-level BPE) has nothing to check.
+fn check_unknown_token(model: &serde_json::Value) -> Result<()> {
+    let Some(kind @ ("WordPiece" | "WordLevel" | "BPE")) =
+        model.get("type").and_then(|t| t.as_str())
+    else {
+        return Ok(());
+    };
+    let Some(unk) = model.get("unk_token").and_then(|u| u.as_str()) else {
+        return Ok(()); // the tokenizers crate reports a missing or mistyped field itself
+    };
+    if model.get("vocab").and_then(|v| v.get(unk)).is_none() {
+        bail!("the {kind} model's unk_token {unk:?} is not in its vocab");
+    }
+    Ok(())
 }
 
 /// Loads `tokenizer.json` without its own padding, truncating to `max_len` tokens including
@@ -111,6 +133,8 @@ pub fn load_untruncated(path: &Path) -> Result<Tokenizer> {
 pub struct TextTokenizer {
     inner: Tokenizer,
     pad_id: i64,
+    /// Named in encoding errors.
+    path: PathBuf,
 }
 
 impl TextTokenizer {
@@ -125,6 +149,7 @@ impl TextTokenizer {
         Ok(TextTokenizer {
             inner: load_tokenizer(path, max_len, truncation, 0)?,
             pad_id,
+            path: path.to_path_buf(),
         })
     }
 
@@ -139,7 +164,7 @@ impl TextTokenizer {
             .collect();
         self.inner
             .encode_batch_char_offsets(inputs, true)
-            .map_err(|e| anyhow!("tokenization failed: {e}"))
+            .map_err(|e| anyhow!("tokenization with {} failed: {e}", self.path.display()))
     }
 
     /// Encodes sentences already split into words (as `is_split_into_words=True`), in
@@ -154,7 +179,7 @@ impl TextTokenizer {
             .collect();
         self.inner
             .encode_batch_char_offsets(inputs, true)
-            .map_err(|e| anyhow!("tokenization failed: {e}"))
+            .map_err(|e| anyhow!("tokenization with {} failed: {e}", self.path.display()))
     }
 
     pub fn pad_id(&self) -> i64 {

@@ -199,8 +199,10 @@ impl LmData {
 }
 
 /// Tokenizes examples into features, prompts unscored.
-struct LmTokenizer {
+struct LmTokenizer<'a> {
     tokenizer: tokenizers::Tokenizer,
+    /// tokenizer.json, named in encoding errors.
+    path: &'a Path,
     chat: Option<ChatTemplate>,
     eos_id: Option<i64>,
     max_len: usize,
@@ -208,12 +210,12 @@ struct LmTokenizer {
     whole: bool,
 }
 
-impl LmTokenizer {
+impl LmTokenizer<'_> {
     fn encode(&self, text: &str, special: bool) -> Result<Vec<i64>> {
         let enc = self
             .tokenizer
             .encode(text, special)
-            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+            .map_err(|e| anyhow!("tokenization with {} failed: {e}", self.path.display()))?;
         Ok(enc.get_ids().iter().map(|&i| i as i64).collect())
     }
 
@@ -366,6 +368,7 @@ impl TaskData for LmData {
         };
         let tok = LmTokenizer {
             tokenizer,
+            path: options.tokenizer_json,
             chat: ChatTemplate::find(dir)?,
             eos_id: options.eos_id,
             max_len: options.max_seq_len,

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use tch::Kind;
 
 use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
@@ -24,6 +24,11 @@ pub struct QaData {
 }
 
 /// Reads one question file, warning (with `report`) about what it found.
+/// Context for a tokenizer's encoding error.
+fn tokenizing(tokenizer_json: &Path) -> String {
+    format!("tokenizing with {}", tokenizer_json.display())
+}
+
 fn read_file(path: &Path, options: QaReadOptions, report: bool) -> Result<Vec<QaExample>> {
     let (examples, found) = squad::load_squad(path, options)?;
     if report && found.mismatched_answers > 0 {
@@ -96,7 +101,8 @@ impl TaskData for QaData {
         let train = if eval_only {
             Vec::new()
         } else {
-            squad::qa_features(&tok, &self.train)?
+            squad::qa_features(&tok, &self.train)
+                .with_context(|| tokenizing(options.tokenizer_json))?
                 .into_iter()
                 .map(|w| w.input)
                 .collect()
@@ -104,7 +110,8 @@ impl TaskData for QaData {
         let eval: Option<Box<dyn EvalSet>> = if self.eval.is_empty() {
             None
         } else {
-            let windows = squad::qa_features(&tok, &self.eval)?;
+            let windows = squad::qa_features(&tok, &self.eval)
+                .with_context(|| tokenizing(options.tokenizer_json))?;
             Some(Box::new(QaEval {
                 examples: self.eval,
                 windows,
