@@ -12,6 +12,11 @@ Rows (issue 6):
   e  one host, seq 128, global batch 16: 1 process x 2 threads against 2 x 1 (sprtrain under
      mpirun, the reference under torchrun with gloo DDP): throughput ratio, exposed comm %
   f  bf16 against fp32 at row a's shapes, where the CPU has bf16 units (AMX or AVX512-BF16)
+  g  all-MiniLM-L6-v2 sequence classification on SST-2 sentences (configs/bench/minilm-sst2.toml),
+     batch 32, batches padded to their longest, bf16 (where the CPU has bf16 units) and fp32,
+     in random order and grouped by length on both sides, against Trainer with
+     DataCollatorWithPadding (scripts/bench_reference_cls.py): samples/s and non-pad tokens/s
+  h  the same on sentence pairs (consecutive SST-2 sentences, the first one's label), seq <= 128
   l  causal-LM fine-tuning of a Llama-shaped 125M model (configs/bench/llama-125m-clm.toml:
      random init, 12 layers, 768 wide, GQA 12/4 heads, vocab 32k) on Tiny Shakespeare packed
      into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
@@ -37,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPRTRAIN = ROOT / "target/release/sprtrain"
 CONFIG = ROOT / "configs/bench/distilbert-qa.toml"
+CLS_CONFIG = ROOT / "configs/bench/minilm-sst2.toml"
+MINILM_DIR = ROOT / ".venv/minilm"
 LM_CONFIG = ROOT / "configs/bench/llama-125m-clm.toml"
 LM_MODEL_DIR = ROOT / "configs/models/llama-125m"
 MODEL_DIR = ROOT / "configs/models/distilbert-base-uncased"
@@ -134,6 +141,62 @@ def reference_lm_run(name, out_dir: Path, args):
     return result
 
 
+def reference_cls_run(name, out_dir: Path, args):
+    out = out_dir / f"{name}.json"
+    cmd = [PYTHON, str(ROOT / "scripts/bench_reference_cls.py"), "--model-dir", str(MINILM_DIR),
+           "--out", str(out)] + args
+    log(f"reference {name}: {' '.join(args)}")
+    t0, wall, rss = launch(cmd, out_dir / f"{name}.log")
+    result = json.loads(out.read_text())
+    result.update({"launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss})
+    return result
+
+
+def sst2_pairs(sst2: Path, out: Path) -> Path:
+    """Row h's data: consecutive SST-2 sentences as pairs, labelled with the first one's label."""
+    lines = sst2.read_text(encoding="utf-8").splitlines()[1:]
+    rows = [l.split("\t") for l in lines]
+    pairs = ["sentence\tsentence2\tlabel"] + [
+        f"{a[0]}\t{b[0]}\t{a[1]}" for a, b in zip(rows[0::2], rows[1::2])]
+    out.write_text("\n".join(pairs) + "\n", encoding="utf-8")
+    return out
+
+
+def cls_rows(args, out_dir: Path, steps: int, warmup: int, bf16: bool):
+    """Rows g and h: for each data set, precision and order, sprtrain and Trainer alternately."""
+    sst2 = ROOT.parent / "shared/data/sst2/train.tsv"
+    data_sets = {"g": (sst2, "")}
+    if "h" in args.rows:
+        data_sets["h"] = (sst2_pairs(sst2, out_dir / "sst2-pairs.tsv"), "sentence2")
+    if "g" not in args.rows:
+        del data_sets["g"]
+    precisions = (["bf16"] if bf16 else []) + ["fp32"]
+    rows = {}
+    for row, (data, pair) in data_sets.items():
+        rows[row] = {}
+        for precision in precisions:
+            for order in ["random", "grouped"]:
+                tag = f"{row}-{precision}-{order}"
+                sets = [f"data.train_file={data}", f"runtime.precision={precision}",
+                        f"data.group_by_length={str(order == 'grouped').lower()}"]
+                ref_args = ["--train-file", str(data), "--steps", str(steps), "--precision", precision]
+                if pair:
+                    sets.append(f"data.text_pair_column={pair}")
+                    ref_args += ["--pair-column", pair]
+                if order == "grouped":
+                    ref_args.append("--group-by-length")
+                ref = reference_cls_run(f"{tag}-reference", out_dir, ref_args)
+                ours = sprtrain_run(f"{tag}-sprtrain", out_dir, sets, steps, 32, config=CLS_CONFIG)
+                so, sr = mean_step_s(ours, warmup), mean_step_s(ref, warmup)
+                rows[row][f"{precision}-{order}"] = {
+                    "sprtrain_samples_per_s": 32 / so, "reference_samples_per_s": 32 / sr, "ratio": sr / so,
+                    "sprtrain_tokens_per_s": useful_tokens_per_s(ours, warmup),
+                    "reference_tokens_per_s": useful_tokens_per_s(ref, warmup),
+                    "sprtrain_losses": ours["losses"], "reference_losses": ref["losses"],
+                }
+    return rows
+
+
 def sprtrain_run(name, out_dir: Path, sets, steps, batch, procs=1, config=CONFIG):
     """One sprtrain training run; the result has the reference's keys (step_s, step_tokens,
     first_step_unix, losses) plus sprtrain's own figures."""
@@ -187,7 +250,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 steps a run (1 warm-up) instead of 12 (2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
-    ap.add_argument("--rows", default="abcdefl", help="which rows to run (a-d come from one pair of runs)")
+    ap.add_argument("--rows", default="abcdefghl", help="which rows to run (a-d come from one pair of runs)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
@@ -296,6 +359,12 @@ def main() -> int:
                 f["reference_speedup_over_fp32"] = rows["a"]["reference_step_s"] / rb
             rows["f"] = f
 
+    if set("gh") & set(args.rows):
+        cls_steps, cls_warmup = (8, 2) if args.quick else (40, 4)
+        report["cls_steps"], report["cls_warmup"] = cls_steps, cls_warmup
+        bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"]))
+        rows.update(cls_rows(args, args.out, cls_steps, cls_warmup, bf16))
+
     if "l" in args.rows:
         text = ROOT.parent / "shared/data/tinyshakespeare/input.txt"
         lm_base = ["runtime.threads=2", f"data.train_file={text}"]
@@ -331,7 +400,9 @@ def markdown(rep) -> str:
     lines = [
         f"sprtrain {rep['commit']} against transformers {rep['reference']['transformers']} Trainer "
         f"(torch {rep['reference']['torch']}), {rep['date']}, `{rep['command']}` "
-        f"({rep['steps']} steps a run, the first {rep['warmup']} not measured; {rep['bench_wall_s'] / 60:.1f} min)",
+        f"({rep['steps']} steps a run, the first {rep['warmup']} not measured"
+        + (f"; rows g and h {rep['cls_steps']}, the first {rep['cls_warmup']} not measured" if "cls_steps" in rep else "")
+        + f"; {rep['bench_wall_s'] / 60:.1f} min)",
         f"Machine: {rep['machine']['model']}, {rep['machine']['logical_cpus']} logical CPUs, "
         f"flags {' '.join(rep['machine']['flags'])}; fp32 GEMM peak {peak:.1f} GFLOP/s (2 threads, this run: "
         "the median rate of the best of four shapes, the higher of two measurements)",
@@ -369,6 +440,12 @@ def markdown(rep) -> str:
             lines.append(f"| f | samples/s bf16, row a's shapes (bf16 GEMM peak {f['bf16_gemm_peak_gflops']:.0f} GFLOP/s) | {f['sprtrain_bf16_samples_per_s']:.3f} | {f['reference_bf16_samples_per_s']:.3f} | {f['ratio']:.2f}x | | |")
             if "sprtrain_speedup_over_fp32" in f:
                 lines.append(f"| f | bf16 speed-up over fp32 | {f['sprtrain_speedup_over_fp32']:.2f}x | {f['reference_speedup_over_fp32']:.2f}x | | | |")
+    for row, what in [("g", "MiniLM-L6 SST-2 sentences"), ("h", "MiniLM-L6 SST-2 sentence pairs")]:
+        for variant, r in rows.get(row, {}).items():
+            precision, order = variant.split("-")
+            target = 1.3 if precision == "bf16" else 1.2
+            order_text = "length-grouped" if order == "grouped" else "random order"
+            lines.append(f"| {row} | samples/s, {what}, batch 32, padded per batch, {order_text}, {precision} (non-pad tokens/s: {r['sprtrain_tokens_per_s']:.0f} and {r['reference_tokens_per_s']:.0f}) | {r['sprtrain_samples_per_s']:.1f} | {r['reference_samples_per_s']:.1f} | {r['ratio']:.2f}x | >= {target}x | {yes(r['ratio'] >= target)} |")
     if "l" in rows:
         lm = rows["l"]
         f32 = lm["fp32"]

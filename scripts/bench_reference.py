@@ -20,18 +20,10 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from bench_trainer import step_clock
 from run_qa_labels import answer_positions
-
-
-def peak_rss_mib() -> float:
-    """VmHWM: the most resident memory this process has held."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def squad_examples(path: Path):
@@ -91,7 +83,6 @@ def main() -> int:
         AutoTokenizer,
         DataCollatorWithPadding,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
         default_data_collator,
     )
@@ -116,25 +107,7 @@ def main() -> int:
         batch_tokens.append(int(out["attention_mask"].sum()))
         return out
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.first_step_unix = None
-            self.step_ends = []
-            self.losses = []
-
-        def on_step_begin(self, args_, state, control, **kw):
-            if self.first_step_unix is None:
-                self.first_step_unix = time.time()
-                self.first_step_perf = time.perf_counter()
-
-        def on_step_end(self, args_, state, control, **kw):
-            self.step_ends.append(time.perf_counter())
-
-        def on_log(self, args_, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
-
-    clock = Clock()
+    clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
     training_args = TrainingArguments(
         output_dir=scratch,  # save_strategy "no": nothing of value is written there
@@ -163,7 +136,6 @@ def main() -> int:
     trainer.train()
     shutil.rmtree(scratch, ignore_errors=True)
 
-    ends = [clock.first_step_perf] + clock.step_ends
     result = {
         "rank": rank,
         "world": world,
@@ -173,11 +145,8 @@ def main() -> int:
         "batch_size": args.batch_size,
         "max_seq_len": args.max_seq_len,
         "windows": len(features),
-        "first_step_unix": clock.first_step_unix,
-        "step_s": [b - a for a, b in zip(ends, ends[1:])],
+        **clock.timings(),
         "step_tokens": batch_tokens[: len(clock.step_ends)],
-        "losses": clock.losses,
-        "peak_rss_mib": peak_rss_mib(),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }

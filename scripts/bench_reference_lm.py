@@ -11,15 +11,9 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from bench_trainer import step_clock
 
 
 def main() -> int:
@@ -42,7 +36,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from transformers import (AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer,
-                              TrainerCallback, TrainingArguments, default_data_collator)
+                              TrainingArguments, default_data_collator)
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(args.tokenizer))
     lines = args.train_file.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -59,22 +53,7 @@ def main() -> int:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
                                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.first_step_unix, self.step_ends, self.losses = None, [], []
-
-        def on_step_begin(self, a, state, control, **kw):
-            if self.first_step_unix is None:
-                self.first_step_unix, self.first_step_perf = time.time(), time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            self.step_ends.append(time.perf_counter())
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
-
-    clock = Clock()
+    clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
     training_args = TrainingArguments(
         output_dir=scratch, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
@@ -85,13 +64,9 @@ def main() -> int:
     Trainer(model=model, args=training_args, train_dataset=features, data_collator=default_data_collator,
             callbacks=[clock]).train()
     shutil.rmtree(scratch, ignore_errors=True)
-    ends = [clock.first_step_perf] + clock.step_ends
     Path(args.out).write_text(json.dumps({
-        "first_step_unix": clock.first_step_unix,
-        "step_s": [b - a for a, b in zip(ends, ends[1:])],
+        **clock.timings(),
         "step_tokens": [block * args.batch_size] * len(clock.step_ends),
-        "losses": clock.losses,
-        "peak_rss_mib": peak_rss_mib(),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }) + "\n")
     return 0

@@ -4,7 +4,8 @@
 //! keeps them, with a lower peak than glibc tuned to keep them (docs/benchmarks.md). libtorch
 //! allocates through the C allocator, so the choice must be made before the process starts: we
 //! re-execute ourselves once with the library in `LD_PRELOAD`, as users of PyTorch on CPU do by
-//! hand.
+//! hand. The binary does so before libtorch's initialisers run (main.rs, `.preinit_array`), so
+//! libtorch initialises once; `main` re-executes only where that early look could not decide.
 
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -72,6 +73,13 @@ pub fn in_use() -> String {
 /// Returns only when no re-execution happens; an allocator asked for by name but not found is
 /// a warning, not an error.
 pub fn reexec_with(choice: Allocator) -> anyhow::Result<()> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    reexec_with_args(choice, &args)
+}
+
+/// `reexec_with` for a process whose arguments (`args[0]` the program) are given: before
+/// `main` (see `sprtrain`'s early re-execution) the standard library does not know them yet.
+pub fn reexec_with_args(choice: Allocator, args: &[std::ffi::OsString]) -> anyhow::Result<()> {
     if choice == Allocator::System
         || std::env::var_os(REEXEC_MARK).is_some()
         || preloaded_by_user().is_some()
@@ -93,7 +101,7 @@ pub fn reexec_with(choice: Allocator) -> anyhow::Result<()> {
     };
     let exe = std::env::current_exe()?;
     let err = std::process::Command::new(&exe)
-        .args(std::env::args_os().skip(1))
+        .args(args.iter().skip(1))
         .env("LD_PRELOAD", &preload)
         .env(REEXEC_MARK, lib.as_os_str())
         .exec();

@@ -33,6 +33,7 @@ pub mod predict;
 pub mod qa;
 pub mod report;
 pub mod signals;
+pub mod startup;
 pub mod sysinfo;
 pub mod tasks;
 pub mod tensorboard;

@@ -126,6 +126,7 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
 fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {
     let config = Config::load(path, overrides)?;
     sprtrain::allocator::reexec_with(config.runtime.allocator)?;
+    sprtrain::startup::mark("config");
     let summary = sprtrain::train::train(&config, resume)?;
     if !summary.root {
         return Ok(());
@@ -223,7 +224,64 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// Re-executes under the configured allocator (see `sprtrain::allocator`) before libtorch's
+/// own initialisers run: an entry of the executable's `.preinit_array` runs before those of
+/// its shared libraries, so the first process never initialises libtorch (operator
+/// registration, 0.3 s of every start). Anything unusual (no config, a config that does not
+/// load) leaves the decision to `main`, which reports it.
+#[used]
+#[link_section = ".preinit_array"]
+static EARLY_ALLOCATOR: extern "C" fn(
+    std::ffi::c_int,
+    *const *const std::ffi::c_char,
+    *const *const std::ffi::c_char,
+) = early_allocator;
+
+extern "C" fn early_allocator(
+    argc: std::ffi::c_int,
+    argv: *const *const std::ffi::c_char,
+    envp: *const *const std::ffi::c_char,
+) {
+    use std::os::unix::ffi::OsStrExt;
+    extern "C" {
+        static mut environ: *const *const std::ffi::c_char;
+    }
+    sprtrain::startup::mark("loading");
+    if argv.is_null() || envp.is_null() {
+        return;
+    }
+    // SAFETY: one thread runs this early. The C library sets `environ` to the same pointer in
+    // its own initialiser, which has not run yet; the standard library's environment reads it.
+    unsafe {
+        if environ.is_null() {
+            environ = envp;
+        }
+    }
+    // SAFETY: the loader passes `argc` NUL-terminated strings in `argv`.
+    let args: Vec<std::ffi::OsString> = (0..argc.max(0) as usize)
+        .map(|i| unsafe { std::ffi::CStr::from_ptr(*argv.add(i)) })
+        .map(|a| std::ffi::OsStr::from_bytes(a.to_bytes()).to_owned())
+        .collect();
+    let Ok(cli) = Cli::try_parse_from(&args) else {
+        return;
+    };
+    let (config, overrides) = match (&cli.command, &cli.config) {
+        (None, Some(config)) => (config, &cli.overrides),
+        (
+            Some(Command::Eval {
+                config, overrides, ..
+            }),
+            _,
+        ) => (config, overrides),
+        _ => return,
+    };
+    if let Ok(c) = Config::load(config, overrides) {
+        let _ = sprtrain::allocator::reexec_with_args(c.runtime.allocator, &args);
+    }
+}
+
 fn main() -> ExitCode {
+    sprtrain::startup::mark("library_initialisers");
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

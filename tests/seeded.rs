@@ -6,7 +6,7 @@ mod common;
 
 use common::max_abs_diff;
 use rand::{Rng, SeedableRng};
-use sprtrain::models::layers::{key_mask, seeded_attention, seeded_dropout};
+use sprtrain::models::layers::{key_mask, seeded_attention_with, seeded_dropout};
 use tch::{Kind, Tensor};
 
 const CPU: tch::Device = tch::Device::Cpu;
@@ -73,8 +73,19 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, keys: &Tensor, mask: 
     (scores.softmax(-1, Kind::Float) * mask).matmul(v)
 }
 
-/// Values and gradients of the seeded attention against the reference on the same mask.
+/// The two ways seeded attention runs: batched products, and a loop over (batch, head) pairs.
+const PATHS: [(&str, i64); 2] = [("batched", i64::MAX), ("per pair", 0)];
+
+/// Values and gradients of the seeded attention, on each path, against the reference on the
+/// same mask.
 fn compare(p: f64, kind: Kind, tolerance: f64) {
+    for (path, batched_up_to) in PATHS {
+        compare_on(p, kind, tolerance, batched_up_to, path);
+    }
+}
+
+/// (B, H, T, D) q, k, v (leaves), the key mask of lengths 37, 20 and 5, and an output gradient.
+fn attention_inputs(kind: Kind) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
     let (b, h, t, d) = (3, 4, 37, 16);
     let (q, k, v) = (
         leaf(&[b, h, t, d], kind, 3),
@@ -89,8 +100,14 @@ fn compare(p: f64, kind: Kind, tolerance: f64) {
             .lt_tensor(&lengths),
     );
     let grad_out = randn(&[b, h, t, d], 6);
+    (q, k, v, keys, grad_out)
+}
+
+fn compare_on(p: f64, kind: Kind, tolerance: f64, batched_up_to: i64, path: &str) {
+    let (q, k, v, keys, grad_out) = attention_inputs(kind);
+    let (b, h, t, _) = q.size4().unwrap();
     let seed = 1234;
-    let out = seeded_attention(&q, &k, &v, &keys, p, seed);
+    let out = seeded_attention_with(&q, &k, &v, &keys, p, seed, batched_up_to);
     (&out.to_kind(Kind::Float) * &grad_out)
         .sum(Kind::Float)
         .backward();
@@ -111,7 +128,7 @@ fn compare(p: f64, kind: Kind, tolerance: f64) {
     (&want * &grad_out).sum(Kind::Float).backward();
     assert!(
         max_abs_diff(&out, &want) < tolerance,
-        "output differs by {}",
+        "{path}: output differs by {}",
         max_abs_diff(&out, &want)
     );
     for (name, g, w) in [
@@ -120,7 +137,10 @@ fn compare(p: f64, kind: Kind, tolerance: f64) {
         ("v", &got[2], &v32),
     ] {
         let diff = max_abs_diff(g, &w.grad());
-        assert!(diff < tolerance, "gradient of {name} differs by {diff}");
+        assert!(
+            diff < tolerance,
+            "{path}: gradient of {name} differs by {diff}"
+        );
     }
 }
 
@@ -141,6 +161,28 @@ fn attention_in_bf16_stays_close_to_fp32() {
     // bf16 inputs and products (8 mantissa bits: relative 4e-3 per rounding) against the fp32
     // reference on the same bf16 values; softmax is fp32 in both.
     compare(0.1, Kind::BFloat16, 0.1);
+}
+
+/// Both paths drop the same elements: their outputs and gradients agree to fp32 rounding (a
+/// mask that differed in one element of the 16,428 would move outputs by ~0.1).
+#[test]
+fn batched_and_per_pair_attention_agree() {
+    let run = |batched_up_to: i64| {
+        let (q, k, v, keys, grad_out) = attention_inputs(Kind::Float);
+        let out = seeded_attention_with(&q, &k, &v, &keys, 0.3, 99, batched_up_to);
+        (&out * &grad_out).sum(Kind::Float).backward();
+        (out.detach(), q.grad(), k.grad(), v.grad())
+    };
+    let (a, b) = (run(PATHS[0].1), run(PATHS[1].1));
+    for (name, x, y) in [
+        ("output", &a.0, &b.0),
+        ("q", &a.1, &b.1),
+        ("k", &a.2, &b.2),
+        ("v", &a.3, &b.3),
+    ] {
+        let diff = max_abs_diff(x, y);
+        assert!(diff < 1e-5, "{name} differs by {diff} between the paths");
+    }
 }
 
 #[test]

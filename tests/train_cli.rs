@@ -391,6 +391,27 @@ fn tcmalloc_is_preloaded_and_startup_and_peak_memory_are_logged() {
         // From exec to the first step: a tiny model loads in well under a minute.
         let startup = begin["startup_s"].as_f64().unwrap();
         assert!(startup > 0.0 && startup < 60.0, "{begin}");
+        // Its phases, in order, add up to it: both count from the process's start, which
+        // /proc gives to 10 ms; the two readings of it are a moment apart.
+        let phases = begin["startup_phases"].as_object().unwrap();
+        let names: Vec<&str> = phases.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "loading_s",
+                "library_initialisers_s",
+                "config_s",
+                "mpi_init_s",
+                "threads_s",
+                "read_data_s",
+                "model_s",
+                "tokenize_s",
+                "optimizer_s",
+                "until_first_step_s"
+            ]
+        );
+        let sum: f64 = phases.values().map(|v| v.as_f64().unwrap()).sum();
+        assert!((sum - startup).abs() < 0.05, "{sum} vs {startup}: {begin}");
         let end = records.last().unwrap();
         assert_eq!(end["event"], "train_end");
         // libtorch alone maps tens of MB; nothing here needs 8 GB.

@@ -55,7 +55,27 @@ pub fn seeded_attention(
     p: f64,
     seed: i64,
 ) -> Tensor {
-    seeded::attention(q, k, v, key_mask, p, seed)
+    seeded::attention(q, k, v, key_mask, p, seed, SEEDED_BATCHED_UP_TO)
+}
+
+/// The most (B, H, T, T) score elements for which seeded attention runs as batched products
+/// over all (batch, head) pairs (it then holds a few such tensors, 32 MiB each in fp32, for
+/// one layer's call); above it, a loop over the pairs keeps each (T, T) block in cache. Short
+/// sequences (MiniLM on sentences, batch 32) are batched; DistilBERT's seq 384 x batch 8 loops.
+pub const SEEDED_BATCHED_UP_TO: i64 = 1 << 23;
+
+/// `seeded_attention`, batched when the scores have at most `batched_up_to` elements (0: always
+/// the loop over pairs; `i64::MAX`: always batched). Both draw the same mask.
+pub fn seeded_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_mask: &Tensor,
+    p: f64,
+    seed: i64,
+    batched_up_to: i64,
+) -> Tensor {
+    seeded::attention(q, k, v, key_mask, p, seed, batched_up_to)
 }
 
 /// The kernels of src/models/seeded.cpp: dropout and attention whose backward regenerates
@@ -81,6 +101,7 @@ mod seeded {
             key_mask: *const C_tensor,
             p: f64,
             seed: i64,
+            batched_up_to: i64,
             error: *mut *mut c_char,
         ) -> *mut C_tensor;
         fn sprtrain_free_error(error: *mut c_char);
@@ -115,6 +136,7 @@ mod seeded {
         mask: &Tensor,
         p: f64,
         seed: i64,
+        batched_up_to: i64,
     ) -> Tensor {
         let mut error = std::ptr::null_mut();
         // SAFETY: as for dropout.
@@ -126,6 +148,7 @@ mod seeded {
                 mask.as_ptr(),
                 p,
                 seed,
+                batched_up_to,
                 &mut error,
             )
         };

@@ -140,26 +140,61 @@ Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return {probs, dropped.to(q.scalar_type())};
 }
 
+// The whole (B H, T, T) attention at once: scores, softmax, dropout, as batched products. At
+// short lengths the per-pair blocks are too small for their ATen calls to pay (B H of them a
+// layer, each several dispatches) and batched products keep both threads busy; the (B H, T,
+// T) tensors this keeps for the length of one layer's call are small there. Element i of the
+// whole tensor is element i of the per-pair numbering (pair bh starts at bh T T), so both
+// paths draw the same mask.
+struct Batched {
+  at::Tensor probs;    // (B H, T, T) fp32 softmax
+  at::Tensor dropped;  // (B H, T, T) probs with dropout applied and rescaled, in q's dtype
+};
+
+// q3, k3: (B H, T, D); bias: (B, rows, T), rows 1 or T.
+Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& bias,
+                          int64_t h, double scale, double p, int64_t seed) {
+  const int64_t b = bias.size(0), rows = bias.size(1), t = bias.size(2);
+  at::Tensor bias3 = bias.unsqueeze(1).expand({b, h, rows, t}).reshape({b * h, rows, t});
+  at::Tensor scores = at::baddbmm(bias3, q3, k3.transpose(1, 2), 1.0, scale);
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat);
+  at::Tensor dropped = probs;
+  if (p > 0.0) {
+    dropped = at::empty_like(probs);
+    Mask(p, seed).apply(probs, dropped, 0);
+  }
+  return {probs, dropped.to(q3.scalar_type())};
+}
+
 struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   // q, k, v: (B, H, T, D); bias: (B, 1, T) or (B, T, T) additive (0 or a large negative).
+  // `batched`: one set of batched products over all pairs instead of a loop over them.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& bias, double p,
-                            int64_t seed) {
+                            int64_t seed, bool batched) {
     at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-    at::Tensor out = at::empty({b, h, t, d}, q.options());
-    at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t i = bh / h, j = bh % h;
-        Block blk = attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * t * t);
-        at::Tensor out_ij = out[i][j];
-        at::mm_out(out_ij, blk.dropped, v[i][j]);
-      }
-    });
+    at::Tensor out;
+    if (batched) {
+      Batched all = attention_batched(q.view({b * h, t, d}), k.view({b * h, t, d}), bias, h,
+                                      scale, p, seed);
+      out = at::bmm(all.dropped, v.view({b * h, t, d})).view({b, h, t, d});
+    } else {
+      out = at::empty({b, h, t, d}, q.options());
+      at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t i = bh / h, j = bh % h;
+          Block blk = attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * t * t);
+          at::Tensor out_ij = out[i][j];
+          at::mm_out(out_ij, blk.dropped, v[i][j]);
+        }
+      });
+    }
     ctx->save_for_backward({q, k, v, bias});
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
+    ctx->saved_data["batched"] = batched;
     return out;
   }
 
@@ -168,31 +203,48 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias = saved[3];
     const double p = ctx->saved_data["p"].toDouble();
     const int64_t seed = ctx->saved_data["seed"].toInt();
+    const bool batched = ctx->saved_data["batched"].toBool();
     at::Tensor grad_out = grads[0].contiguous();
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-    at::Tensor gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
-    at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t i = bh / h, j = bh % h;
-        const int64_t first = bh * t * t;
-        at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
-        Block blk = attention_block(q_ij, k_ij, bias[i], scale, p, seed, first);
-        at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
-        at::mm_out(gv_ij, blk.dropped.t(), g);  // (T, D)
-        at::Tensor g_probs = at::mm(g, v[i][j].t()).to(at::kFloat);
-        if (p > 0.0) {
-          Mask(p, seed).apply(g_probs, first);
-        }
-        at::Tensor g_scores =
-            at::_softmax_backward_data(g_probs, blk.probs, -1, at::kFloat).to(q.scalar_type());
-        at::mm_out(gq_ij, g_scores, k_ij);
-        at::mm_out(gk_ij, g_scores.t(), q_ij);
+    at::Tensor gq, gk, gv;
+    if (batched) {
+      at::Tensor q3 = q.view({b * h, t, d}), k3 = k.view({b * h, t, d}), v3 = v.view({b * h, t, d});
+      at::Tensor g = grad_out.view({b * h, t, d});
+      Batched all = attention_batched(q3, k3, bias, h, scale, p, seed);
+      gv = at::bmm(all.dropped.transpose(1, 2), g).view({b, h, t, d});
+      at::Tensor g_probs = at::bmm(g, v3.transpose(1, 2)).to(at::kFloat).contiguous();
+      if (p > 0.0) {
+        Mask(p, seed).apply(g_probs, 0);
       }
-    });
+      at::Tensor g_scores =
+          at::_softmax_backward_data(g_probs, all.probs, -1, at::kFloat).to(q.scalar_type());
+      gq = at::bmm(g_scores, k3).view({b, h, t, d});
+      gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, t, d});
+    } else {
+      gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+      at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t i = bh / h, j = bh % h;
+          const int64_t first = bh * t * t;
+          at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
+          Block blk = attention_block(q_ij, k_ij, bias[i], scale, p, seed, first);
+          at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
+          at::mm_out(gv_ij, blk.dropped.t(), g);  // (T, D)
+          at::Tensor g_probs = at::mm(g, v[i][j].t()).to(at::kFloat);
+          if (p > 0.0) {
+            Mask(p, seed).apply(g_probs, first);
+          }
+          at::Tensor g_scores =
+              at::_softmax_backward_data(g_probs, blk.probs, -1, at::kFloat).to(q.scalar_type());
+          at::mm_out(gq_ij, g_scores, k_ij);
+          at::mm_out(gk_ij, g_scores.t(), q_ij);
+        }
+      });
+    }
     gq.mul_(scale);
     gk.mul_(scale);
-    return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -226,10 +278,12 @@ at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed,
 }
 
 // Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where key_mask (B, 1, 1,
-// T), (B, T) or, per query, (B, 1, T, T), boolean, is true, with dropout p on the probabilities drawn from `seed`. Returns (B, H, T, D).
+// T), (B, T) or, per query, (B, 1, T, T), boolean, is true, with dropout p on the probabilities
+// drawn from `seed`. Batched products when the (B, H, T, T) scores have at most
+// `batched_up_to` elements, else a loop over (batch, head) pairs. Returns (B, H, T, D).
 at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
                                       const at::Tensor* v, const at::Tensor* key_mask, double p,
-                                      int64_t seed, char** error) {
+                                      int64_t seed, int64_t batched_up_to, char** error) {
   return guarded(error, [&] {
     const int64_t b = key_mask->size(0), t = key_mask->size(-1);
     // One row of key bias for all queries, or one row per query (causal masks).
@@ -238,7 +292,8 @@ at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
     // not NaN (it is in range for bf16 too).
     at::Tensor bias = at::zeros({b, rows, t}, q->options().requires_grad(false));
     bias.masked_fill_(key_mask->logical_not().reshape({b, rows, t}), at::Scalar(-3.0e38));
-    return SeededAttention::apply(*q, *k, *v, bias, p, seed);
+    const int64_t scores = q->size(0) * q->size(1) * q->size(2) * k->size(2);
+    return SeededAttention::apply(*q, *k, *v, bias, p, seed, scores <= batched_up_to);
   });
 }
 

@@ -34,6 +34,7 @@ use crate::models::TaskModel;
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::{MetricsLog, Progress};
 use crate::signals::{self, Interrupted};
+use crate::startup;
 use crate::tasks::{self, EvalSet};
 use crate::tensorboard::EventWriter;
 use dataset::resolve_data;
@@ -203,6 +204,7 @@ impl<'a> Trainer<'a> {
     /// when resuming), and agreement between processes on all of it.
     pub fn new(config: &'a Config, resume: Option<&str>, dist: &'a Dist) -> Result<Self> {
         let started = Instant::now();
+        startup::mark("mpi_init");
         if config.train.save_on_signal {
             // From now on a signal waits for the first step boundary (the data and model may
             // take a while to load).
@@ -218,10 +220,12 @@ impl<'a> Trainer<'a> {
             .map(|spec| checkpoint::resume_dir(&out, spec))
             .transpose()?;
         let autocast = set_up_numerics(config, dist)?;
+        startup::mark("threads");
         // The data (its labels can size the head), and the pretrained model with a head for
         // this task, or the checkpoint to resume.
         let (model_dir, random) = resolve_model(config, root)?;
         let data = tasks::read(config, &resolve_data(config, root)?, root)?;
+        startup::mark("read_data");
         let source = ModelSource {
             dir: resume_dir.as_deref().unwrap_or(&model_dir),
             fresh: resume_dir.is_none(),
@@ -234,6 +238,7 @@ impl<'a> Trainer<'a> {
         agree_and_broadcast(dist, config, &flat, p.train.len())?;
         let sync = GradSync::new(&flat, &p.model, config);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
+        startup::mark("optimizer");
         let layout = opt.flat.layout();
         let mut state = match &resume_dir {
             Some(dir) => {
@@ -625,7 +630,7 @@ impl<'a> Trainer<'a> {
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
                 "event": "train_begin", "step": self.state.global_step, "unix_time": unix_time,
-                "startup_s": startup_s,
+                "startup_s": startup_s, "startup_phases": startup::phases(),
             }))?;
         }
         if let Some(s) = startup_s {

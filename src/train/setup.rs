@@ -137,6 +137,7 @@ pub fn prepare(
     let root = dist.is_root();
     let head = config.model.task.head();
     let (pretrained, tokenizer_json) = load_model(config, source, head, |c| data.adapt(c), root)?;
+    crate::startup::mark("model");
     let options = TokenizeOptions {
         tokenizer_json: &tokenizer_json,
         pad_id: pretrained.model.config.pad_token_id,
@@ -148,6 +149,7 @@ pub fn prepare(
         eval,
         masking,
     } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
+    crate::startup::mark("tokenize");
     Ok(Prepared {
         vs: pretrained.vs,
         model: pretrained.model,
