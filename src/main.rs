@@ -196,8 +196,12 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("wrote {} with {n} characters", output.display());
         }
         Command::Predict(args) => {
-            let n = predict::run(&args).context("predict")?;
-            eprintln!("wrote {n} predictions to {}", args.output.display());
+            let (n, seconds) = predict::run(&args).context("predict")?;
+            eprintln!(
+                "wrote {n} predictions to {} in {seconds:.2} s ({:.1} examples/s)",
+                args.output.display(),
+                n as f64 / seconds.max(1e-9)
+            );
         }
         Command::Eval {
             config,
