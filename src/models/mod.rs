@@ -127,6 +127,14 @@ impl ModelOutput {
     pub fn span_logits(&self) -> (Tensor, Tensor) {
         (self.logits.select(-1, 0), self.logits.select(-1, 1))
     }
+
+    /// The outputs of example `i` of the batch alone, as a batch of one.
+    pub fn row(&self, i: i64) -> ModelOutput {
+        ModelOutput {
+            hidden: self.hidden.narrow(0, i, 1),
+            logits: self.logits.narrow(0, i, 1),
+        }
+    }
 }
 
 enum Backbone {

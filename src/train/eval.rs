@@ -11,7 +11,7 @@ use super::dataset::resolve_data;
 use super::setup::{on_every_rank, prepare, set_up_numerics, ModelSource};
 use crate::atomic_file::write_json;
 use crate::config::Config;
-use crate::data::batching::{batch_labels, collate};
+use crate::data::batching::{batch_labels, collate, Feature};
 use crate::dist::Dist;
 use crate::hf_files::CONFIG_FILE;
 use crate::models::{lora, TaskModel};
@@ -50,14 +50,23 @@ pub fn evaluate(
     let features = set.features();
     let (rank, world) = (dist.topo.rank, dist.topo.world);
     let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
-    let (mut loss_sum, mut outputs) = (0.0, Vec::new());
-    for batch in shard.chunks(opts.batch_size) {
-        let (inputs, _) = collate(batch, model.config.pad_token_id, opts.pad_to);
+    // Features of like length pad little: batches are formed longest first (as `predict`
+    // does), and each feature's outputs go back to its place in the shard.
+    let mut order: Vec<usize> = (0..shard.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(shard[i].input_ids.len()));
+    let mut per_feature: Vec<Vec<f32>> = vec![Vec::new(); shard.len()];
+    let mut loss_sum = 0.0;
+    for indices in order.chunks(opts.batch_size) {
+        let batch: Vec<&Feature> = indices.iter().map(|&i| shard[i]).collect();
+        let (inputs, _) = collate(&batch, model.config.pad_token_id, opts.pad_to);
         let out = tch::no_grad(|| model.forward(&inputs, false));
-        let labels = batch_labels(batch, inputs.input_ids.size()[1] as usize)?;
+        let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * batch.len() as f64;
-        outputs.extend(set.batch_outputs(&out, batch)?);
+        for (row, (&i, feature)) in indices.iter().zip(&batch).enumerate() {
+            per_feature[i] = set.batch_outputs(&out.row(row as i64), &[feature])?;
+        }
     }
+    let outputs: Vec<f32> = per_feature.concat();
     let outputs: Vec<f32> = dist.all_gather_f32("evaluation outputs", outputs)?.concat();
     let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
     let predictions_dir = opts.predictions_dir.filter(|_| dist.is_root());
