@@ -17,6 +17,10 @@ Rows (issue 6):
      in random order and grouped by length on both sides, against Trainer with
      DataCollatorWithPadding (scripts/bench_reference_cls.py): samples/s and non-pad tokens/s
   h  the same on sentence pairs (consecutive SST-2 sentences, the first one's label), seq <= 128
+  j  inference with the row-g model fine-tuned for 20 steps, fp32, batch 32: `sprtrain predict` on
+     4,096 SST-2 sentences against transformers' text-classification pipeline, and `sprtrain eval`
+     on the SST-2 dev set against Trainer.evaluate (scripts/bench_reference_infer.py); each
+     side's own clock around its loop, examples/s
   l  causal-LM fine-tuning of a Llama-shaped 125M model (configs/bench/llama-125m-clm.toml:
      random init, 12 layers, 768 wide, GQA 12/4 heads, vocab 32k) on Tiny Shakespeare packed
      into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
@@ -40,7 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPRTRAIN = ROOT / "target/release/sprtrain"
+# SPRTRAIN_BIN measures another build (a lever's "before") with the same script.
+SPRTRAIN = Path(os.environ.get("SPRTRAIN_BIN", ROOT / "target/release/sprtrain"))
 CONFIG = ROOT / "configs/bench/distilbert-qa.toml"
 CLS_CONFIG = ROOT / "configs/bench/minilm-sst2.toml"
 MINILM_DIR = ROOT / ".venv/minilm"
@@ -197,6 +202,48 @@ def cls_rows(args, out_dir: Path, steps: int, warmup: int, bf16: bool):
     return rows
 
 
+def inference_row(out_dir: Path):
+    """Row j: prediction and evaluation loops of a fine-tuned MiniLM, each side's own clock."""
+    import re
+
+    sst2 = ROOT.parent / "shared/data/sst2"
+    model = out_dir / "j-model"
+    base = ["--config", str(CLS_CONFIG), "--set", "runtime.precision=fp32"]
+    log("sprtrain j: fine-tuning the model both sides run")
+    launch([str(SPRTRAIN)] + base + ["--set", f"train.output_dir={model}", "--set", "train.max_steps=20",
+                                     "--set", "train.save_steps=0"], out_dir / "j-train.log")
+    inputs = out_dir / "j-input.jsonl"
+    lines = (sst2 / "train.tsv").read_text(encoding="utf-8").splitlines()[1:4097]
+    inputs.write_text("".join(json.dumps({"text": l.split("\t")[0]}) + "\n" for l in lines), encoding="utf-8")
+    log("sprtrain j: predict and eval")
+    launch([str(SPRTRAIN), "predict", "--model", str(model), "--task", "seq-cls", "--input", str(inputs),
+            "--output", str(out_dir / "j-predictions.jsonl"), "--batch-size", "32", "--max-seq-len", "128"],
+           out_dir / "j-predict.log")
+    predicted = re.search(r"wrote (\d+) predictions to .* in ([\d.]+) s", (out_dir / "j-predict.log").read_text())
+    launch([str(SPRTRAIN), "eval"] + base + ["--set", f"data.eval_file={sst2 / 'dev.tsv'}", "--set", "eval.batch_size=32",
+                                             "--model", str(model), "--output", str(out_dir / "j-eval")],
+           out_dir / "j-eval.log")
+    evaluated = re.search(r"evaluated (\d+) features in ([\d.]+) s", (out_dir / "j-eval.log").read_text())
+    out = out_dir / "j-reference.json"
+    log("reference j: pipeline and Trainer.evaluate")
+    launch([PYTHON, str(ROOT / "scripts/bench_reference_infer.py"), "--model-dir", str(model),
+            "--predict-input", str(inputs), "--eval-file", str(sst2 / "dev.tsv"), "--out", str(out)],
+           out_dir / "j-reference.log")
+    ref = json.loads(out.read_text())
+    ours_predict = int(predicted.group(1)) / float(predicted.group(2))
+    ours_eval = int(evaluated.group(1)) / float(evaluated.group(2))
+    theirs_predict = ref["predict_examples"] / ref["predict_s"]
+    theirs_eval = ref["eval_examples"] / ref["eval_s"]
+    ours_loss = json.loads((out_dir / "j-eval" / "eval_results.json").read_text())["eval_loss"]
+    return {
+        "sprtrain_eval_loss": ours_loss, "reference_eval_loss": ref["eval_loss"],
+        "sprtrain_predict_per_s": ours_predict, "reference_predict_per_s": theirs_predict,
+        "predict_ratio": ours_predict / theirs_predict,
+        "sprtrain_eval_per_s": ours_eval, "reference_eval_per_s": theirs_eval,
+        "eval_ratio": ours_eval / theirs_eval,
+    }
+
+
 def sprtrain_run(name, out_dir: Path, sets, steps, batch, procs=1, config=CONFIG):
     """One sprtrain training run; the result has the reference's keys (step_s, step_tokens,
     first_step_unix, losses) plus sprtrain's own figures."""
@@ -250,7 +297,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 steps a run (1 warm-up) instead of 12 (2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
-    ap.add_argument("--rows", default="abcdefghl", help="which rows to run (a-d come from one pair of runs)")
+    ap.add_argument("--rows", default="abcdefghjl", help="which rows to run (a-d come from one pair of runs)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
@@ -365,6 +412,9 @@ def main() -> int:
         bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"]))
         rows.update(cls_rows(args, args.out, cls_steps, cls_warmup, bf16))
 
+    if "j" in args.rows:
+        rows["j"] = inference_row(args.out)
+
     if "l" in args.rows:
         text = ROOT.parent / "shared/data/tinyshakespeare/input.txt"
         lm_base = ["runtime.threads=2", f"data.train_file={text}"]
@@ -446,6 +496,10 @@ def markdown(rep) -> str:
             target = 1.3 if precision == "bf16" else 1.2
             order_text = "length-grouped" if order == "grouped" else "random order"
             lines.append(f"| {row} | samples/s, {what}, batch 32, padded per batch, {order_text}, {precision} (non-pad tokens/s: {r['sprtrain_tokens_per_s']:.0f} and {r['reference_tokens_per_s']:.0f}) | {r['sprtrain_samples_per_s']:.1f} | {r['reference_samples_per_s']:.1f} | {r['ratio']:.2f}x | >= {target}x | {yes(r['ratio'] >= target)} |")
+    if "j" in rows:
+        j = rows["j"]
+        lines.append(f"| j | examples/s, `sprtrain predict` against the text-classification pipeline, 4,096 SST-2 sentences, batch 32, fp32 | {j['sprtrain_predict_per_s']:.0f} | {j['reference_predict_per_s']:.0f} | {j['predict_ratio']:.2f}x | >= 1.5x | {yes(j['predict_ratio'] >= 1.5)} |")
+        lines.append(f"| j | examples/s, `sprtrain eval` against Trainer.evaluate, SST-2 dev (872), batch 32, fp32 (eval_loss {j['sprtrain_eval_loss']:.4f} and {j['reference_eval_loss']:.4f}) | {j['sprtrain_eval_per_s']:.0f} | {j['reference_eval_per_s']:.0f} | {j['eval_ratio']:.2f}x | >= 1.5x | {yes(j['eval_ratio'] >= 1.5)} |")
     if "l" in rows:
         lm = rows["l"]
         f32 = lm["fp32"]

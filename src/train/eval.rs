@@ -52,6 +52,7 @@ pub fn evaluate(
     let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
     // Features of like length pad little: batches are formed longest first (as `predict`
     // does), and each feature's outputs go back to its place in the shard.
+    let started = std::time::Instant::now();
     let mut order: Vec<usize> = (0..shard.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(shard[i].input_ids.len()));
     let mut per_feature: Vec<Vec<f32>> = vec![Vec::new(); shard.len()];
@@ -67,6 +68,14 @@ pub fn evaluate(
         }
     }
     let outputs: Vec<f32> = per_feature.concat();
+    let seconds = started.elapsed().as_secs_f64();
+    if dist.is_root() {
+        tracing::info!(
+            "evaluated {} features in {seconds:.2} s ({:.1} features/s on rank 0)",
+            shard.len(),
+            shard.len() as f64 / seconds.max(1e-9)
+        );
+    }
     let outputs: Vec<f32> = dist.all_gather_f32("evaluation outputs", outputs)?.concat();
     let loss_sum = dist.allreduce_sum_f64("evaluation loss", vec![loss_sum])?[0];
     let predictions_dir = opts.predictions_dir.filter(|_| dist.is_root());
