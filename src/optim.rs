@@ -91,7 +91,8 @@ impl FlatParams {
             .collect();
         named.sort_by(|a, b| (stage(&a.0), &a.0).cmp(&(stage(&b.0), &b.0)));
         let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
-        let params = Tensor::zeros([total], (Kind::Float, tch::Device::Cpu));
+        // Every element is copied in below: no need to zero it first (a pass over all weights).
+        let params = Tensor::empty([total], (Kind::Float, tch::Device::Cpu));
         let mut slots = Vec::with_capacity(named.len());
         let mut vars = Vec::with_capacity(named.len());
         let mut chunks = Vec::new();

@@ -366,14 +366,7 @@ impl TaskModel {
             },
             Head::CausalLm => HeadLayers::CausalLm {
                 untied: (!c.tie_word_embeddings).then(|| {
-                    root.sub("lm_head").var(
-                        "weight",
-                        &[c.vocab_size, h],
-                        nn::Init::Randn {
-                            mean: 0.0,
-                            stdev: r,
-                        },
-                    )
+                    layers::normal_var(&root.sub("lm_head"), "weight", &[c.vocab_size, h], r)
                 }),
             },
             Head::QuestionAnswering => HeadLayers::Qa {
@@ -456,14 +449,7 @@ impl TaskModel {
                 let (untied_decoder, bias) = if c.tie_word_embeddings {
                     (None, head_bias)
                 } else {
-                    let weight = decoder.var(
-                        "weight",
-                        &[v, e],
-                        nn::Init::Randn {
-                            mean: 0.0,
-                            stdev: r,
-                        },
-                    );
+                    let weight = layers::normal_var(&decoder, "weight", &[v, e], r);
                     // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head
                     // bias; ELECTRA's is `generator_lm_head`.
                     let own_bias =
