@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_trainer import step_clock
+from bench_trainer import bench_training_args, step_clock
 from run_qa_labels import answer_positions
 
 
@@ -83,7 +83,6 @@ def main() -> int:
         AutoTokenizer,
         DataCollatorWithPadding,
         Trainer,
-        TrainingArguments,
         default_data_collator,
     )
 
@@ -109,23 +108,9 @@ def main() -> int:
 
     clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
-    training_args = TrainingArguments(
-        output_dir=scratch,  # save_strategy "no": nothing of value is written there
-        per_device_train_batch_size=args.batch_size,
-        max_steps=args.steps,
-        learning_rate=5e-5,
-        lr_scheduler_type="linear",
-        weight_decay=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        bf16=args.precision == "bf16",
-        dataloader_num_workers=0,
-        seed=args.seed,
-        ddp_backend="gloo" if world > 1 else None,
-    )
+    # save_strategy "no": nothing of value is written to the scratch directory.
+    ddp_backend = "gloo" if world > 1 else None
+    training_args = bench_training_args(scratch, args, learning_rate=5e-5, ddp_backend=ddp_backend)
     trainer = Trainer(
         model=model,
         args=training_args,

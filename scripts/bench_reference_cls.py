@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_trainer import step_clock
+from bench_trainer import bench_training_args, step_clock
 
 
 def read_rows(path: Path, text: str, pair: str, label: str):
@@ -48,7 +48,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                              Trainer, TrainingArguments)
+                              Trainer)
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     rows = read_rows(args.train_file, args.text_column, args.pair_column, args.label_column)
@@ -70,13 +70,8 @@ def main() -> int:
 
     clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
-    training_args = TrainingArguments(
-        output_dir=scratch, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=1e-4, lr_scheduler_type="linear", weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
-        bf16=args.precision == "bf16", dataloader_num_workers=0, seed=args.seed,
-        train_sampling_strategy="group_by_length" if args.group_by_length else "random",
-    )
+    order = "group_by_length" if args.group_by_length else "random"
+    training_args = bench_training_args(scratch, args, learning_rate=1e-4, train_sampling_strategy=order)
     Trainer(model=model, args=training_args, train_dataset=features, data_collator=collate,
             processing_class=tok, callbacks=[clock]).train()
     shutil.rmtree(scratch, ignore_errors=True)

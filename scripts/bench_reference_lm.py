@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_trainer import step_clock
+from bench_trainer import bench_training_args, step_clock
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from transformers import (AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer,
-                              TrainingArguments, default_data_collator)
+                              default_data_collator)
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(args.tokenizer))
     lines = args.train_file.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -55,12 +55,7 @@ def main() -> int:
 
     clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
-    training_args = TrainingArguments(
-        output_dir=scratch, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=5e-5, lr_scheduler_type="linear", weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
-        bf16=args.precision == "bf16", dataloader_num_workers=0, seed=args.seed,
-    )
+    training_args = bench_training_args(scratch, args, learning_rate=5e-5)
     Trainer(model=model, args=training_args, train_dataset=features, data_collator=default_data_collator,
             callbacks=[clock]).train()
     shutil.rmtree(scratch, ignore_errors=True)

@@ -43,3 +43,17 @@ def step_clock():
             }
 
     return StepClock()
+
+
+def bench_training_args(output_dir: str, args, learning_rate: float, **more):
+    """TrainingArguments every reference run shares: args.batch_size per process, args.steps
+    optimizer steps, a linear schedule without weight decay, a loss logged every step, nothing
+    saved or reported, the CPU, bf16 autocast when args.precision says so, args.seed."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+        learning_rate=learning_rate, lr_scheduler_type="linear", weight_decay=0.0, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+        bf16=args.precision == "bf16", dataloader_num_workers=0, seed=args.seed, **more,
+    )
