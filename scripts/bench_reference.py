@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads per process")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--padding", choices=["max_length", "longest"], default="max_length")
+    ap.add_argument("--group-by-length", action="store_true", help="Trainer's length-grouped sampler")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out", required=True, help="result JSON; {rank} is replaced by the rank")
     args = ap.parse_args()
@@ -110,12 +111,15 @@ def main() -> int:
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
     # save_strategy "no": nothing of value is written to the scratch directory.
     ddp_backend = "gloo" if world > 1 else None
-    training_args = bench_training_args(scratch, args, learning_rate=5e-5, ddp_backend=ddp_backend)
+    order = "group_by_length" if args.group_by_length else "random"
+    training_args = bench_training_args(scratch, args, learning_rate=5e-5, ddp_backend=ddp_backend,
+                                        train_sampling_strategy=order)
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=features,
         data_collator=collate,
+        processing_class=tok,
         callbacks=[clock],
     )
     trainer.train()
