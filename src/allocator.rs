@@ -68,6 +68,12 @@ pub fn in_use() -> String {
         .unwrap_or_else(|| "system".into())
 }
 
+/// Whether this process already runs under a chosen allocator: re-executed by us, or under
+/// one the user preloads.
+pub fn already_chosen() -> bool {
+    std::env::var_os(REEXEC_MARK).is_some() || preloaded_by_user().is_some()
+}
+
 /// Re-executes this program with `choice` preloaded, unless it already runs under it (or
 /// under one the user preloads), or it is `system`, or (for `auto`) no tcmalloc is installed.
 /// Returns only when no re-execution happens; an allocator asked for by name but not found is
@@ -80,10 +86,7 @@ pub fn reexec_with(choice: Allocator) -> anyhow::Result<()> {
 /// `reexec_with` for a process whose arguments (`args[0]` the program) are given: before
 /// `main` (see `sprtrain`'s early re-execution) the standard library does not know them yet.
 pub fn reexec_with_args(choice: Allocator, args: &[std::ffi::OsString]) -> anyhow::Result<()> {
-    if choice == Allocator::System
-        || std::env::var_os(REEXEC_MARK).is_some()
-        || preloaded_by_user().is_some()
-    {
+    if choice == Allocator::System || already_chosen() {
         return Ok(());
     }
     let Some(lib) = find_library(library_names(choice)) else {

@@ -261,6 +261,9 @@ extern "C" fn early_allocator(
             environ = envp;
         }
     }
+    if sprtrain::allocator::already_chosen() {
+        return; // the re-executed process: nothing to decide
+    }
     // SAFETY: the loader passes `argc` NUL-terminated strings in `argv`.
     let args: Vec<std::ffi::OsString> = (0..argc.max(0) as usize)
         .map(|i| unsafe { std::ffi::CStr::from_ptr(*argv.add(i)) })

@@ -311,7 +311,6 @@ fn tagging_record(
     }))
 }
 
-/// Runs the command; returns the number of examples written.
 /// Runs `args`; returns how many examples it predicted and the seconds the predictions took
 /// (tokenization, forward passes and writing, not loading).
 pub fn run(args: &PredictArgs) -> Result<(usize, f64)> {

@@ -29,19 +29,18 @@ pub fn phases() -> Option<serde_json::Map<String, serde_json::Value>> {
             .duration_since(previous)
             .unwrap_or_default()
             .as_secs_f64();
-        out.insert(
-            format!("{phase}_s"),
-            serde_json::json!((took * 1e3).round() / 1e3),
-        );
+        out.insert(format!("{phase}_s"), to_ms(took));
         previous = at;
     }
     let rest = now
         .duration_since(previous)
         .unwrap_or_default()
         .as_secs_f64();
-    out.insert(
-        "until_first_step_s".into(),
-        serde_json::json!((rest * 1e3).round() / 1e3),
-    );
+    out.insert("until_first_step_s".into(), to_ms(rest));
     Some(out)
+}
+
+/// Seconds, rounded to the millisecond.
+fn to_ms(seconds: f64) -> serde_json::Value {
+    serde_json::json!((seconds * 1e3).round() / 1e3)
 }

@@ -55,7 +55,7 @@ pub fn seeded_attention(
     p: f64,
     seed: i64,
 ) -> Tensor {
-    seeded::attention(q, k, v, key_mask, p, seed, SEEDED_BATCHED_UP_TO)
+    seeded_attention_with(q, k, v, key_mask, p, seed, SEEDED_BATCHED_UP_TO)
 }
 
 /// The most (B, H, T, T) score elements for which seeded attention runs as batched products
