@@ -1,4 +1,5 @@
-//! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp) against libtorch,
+//! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp) and the optimizer's
+//! buffer helpers (src/optim_buffers.cpp) against libtorch,
 //! embeds an rpath to libtorch's lib directory so the binary runs without LD_LIBRARY_PATH and
 //! without an activated venv, and records the libtorch version for `sprtrain env`.
 use std::path::PathBuf;
@@ -14,6 +15,7 @@ fn main() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
 
     println!("cargo:rerun-if-changed=src/models/seeded.cpp");
+    println!("cargo:rerun-if-changed=src/optim_buffers.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
     cc::Build::new()
@@ -34,6 +36,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .flag_if_supported("-Wno-unused-parameter")
         .file("src/models/seeded.cpp")
+        .file("src/optim_buffers.cpp")
         .compile("sprtrain_seeded");
 
     // PyPI wheels carry version.py; standalone libtorch zips carry build-version.

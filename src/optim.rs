@@ -37,26 +37,47 @@ pub struct FlatParams {
     chunks: Vec<(usize, usize, bool)>,
 }
 
+/// The helpers of src/optim_buffers.cpp.
+mod buffers {
+    use tch::Tensor;
+    use torch_sys::C_tensor;
+
+    extern "C" {
+        fn sprtrain_lazy_zeros(numel: i64) -> *mut C_tensor;
+        fn sprtrain_set_grad(var: *mut C_tensor, grad: *const C_tensor);
+    }
+
+    /// (numel) fp32 zeros whose pages are zeroed by the kernel when first written (an
+    /// anonymous mapping), instead of by a pass over the buffer now; `torch.zeros` where the
+    /// mapping fails.
+    pub fn lazy_zeros(numel: i64) -> Tensor {
+        // SAFETY: returns a new at::Tensor* that nobody else owns, or null.
+        let t = unsafe { sprtrain_lazy_zeros(numel) };
+        if t.is_null() {
+            Tensor::zeros([numel], (tch::Kind::Float, tch::Device::Cpu))
+        } else {
+            // SAFETY: see above.
+            unsafe { Tensor::from_ptr(t) }
+        }
+    }
+
+    /// Makes `grad` the `.grad` of `var`.
+    pub fn set_grad(var: &mut Tensor, grad: &Tensor) {
+        debug_assert!(var.size() == grad.size() && var.kind() == grad.kind());
+        // SAFETY: both pointers are live tensors for the call; libtorch copies the handle.
+        unsafe { sprtrain_set_grad(var.as_mut_ptr(), grad.as_ptr()) }
+    }
+}
+
 /// Makes every variable's `.grad` a view of its slot in `grads`. libtorch's AccumulateGrad
 /// adds into an existing `.grad` in place, so from then on backward writes the flat buffer:
-/// no per-step copy, and no second copy of the gradients in memory. The `.grad` tensors are
-/// created by one backward through zeros, then re-pointed at the buffer.
-fn bind_grads(vars: &[Tensor], slots: &[Slot], grads: &Tensor) {
-    let Some(zero) = vars
-        .iter()
-        .map(|v| (v * 0.0).sum(Kind::Float))
-        .reduce(|a, b| a + b)
-    else {
-        return;
-    };
-    zero.backward();
-    for (var, slot) in vars.iter().zip(slots) {
-        let mut grad = var.grad();
-        grad.set_data(
-            &grads
-                .narrow(0, slot.offset, slot.numel)
-                .view(slot.shape.as_slice()),
-        );
+/// no per-step copy, and no second copy of the gradients in memory.
+fn bind_grads(vars: &mut [Tensor], slots: &[Slot], grads: &Tensor) {
+    for (var, slot) in vars.iter_mut().zip(slots) {
+        let view = grads
+            .narrow(0, slot.offset, slot.numel)
+            .view(slot.shape.as_slice());
+        buffers::set_grad(var, &view);
     }
 }
 
@@ -119,8 +140,8 @@ impl FlatParams {
             vars.push(var);
             offset += numel;
         }
-        let grads = params.zeros_like();
-        bind_grads(&vars, &slots, &grads);
+        let grads = buffers::lazy_zeros(total);
+        bind_grads(&mut vars, &slots, &grads);
         FlatParams {
             params,
             grads,
@@ -223,8 +244,9 @@ impl AdamW {
     pub fn new(config: AdamWConfig, flat: &FlatParams) -> Self {
         AdamW {
             config,
-            exp_avg: flat.params.zeros_like(),
-            exp_avg_sq: flat.params.zeros_like(),
+            // Zero pages until the first step writes them (torch creates its state then).
+            exp_avg: buffers::lazy_zeros(flat.numel()),
+            exp_avg_sq: buffers::lazy_zeros(flat.numel()),
             step: 0,
         }
     }

@@ -404,8 +404,7 @@ fn tcmalloc_is_preloaded_and_startup_and_peak_memory_are_logged() {
                 "mpi_init_s",
                 "threads_s",
                 "read_data_s",
-                "model_s",
-                "tokenize_s",
+                "model_and_tokenize_s",
                 "optimizer_s",
                 "until_first_step_s"
             ]

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
-use tokenizers::Tokenizer;
+use tokenizers::{Encoding, Tokenizer};
 
 use super::batching::{Feature, Target};
 use super::tokenizer::{load_tokenizer, Truncation};
@@ -347,13 +347,7 @@ pub fn qa_tokenizer(path: &Path, max_seq_len: usize, doc_stride: usize) -> Resul
 
 /// Builds every window of every example, with run_qa.py's labels.
 pub fn qa_features(tok: &Tokenizer, examples: &[QaExample]) -> Result<Vec<QaFeature>> {
-    let inputs: Vec<tokenizers::EncodeInput> = examples
-        .iter()
-        .map(|e| (e.question.trim_start(), e.context.as_str()).into())
-        .collect();
-    let encodings = tok
-        .encode_batch_char_offsets(inputs, true)
-        .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+    let encodings = encode_pairs(tok, examples)?;
     let mut out = Vec::new();
     for (index, (enc, ex)) in encodings.into_iter().zip(examples).enumerate() {
         let mut windows = vec![enc.clone()];
@@ -379,6 +373,54 @@ pub fn qa_features(tok: &Tokenizer, examples: &[QaExample]) -> Result<Vec<QaFeat
         }
     }
     Ok(out)
+}
+
+/// Every example's (question, context) pair encoded as `tok.encode_char_offsets((question,
+/// context), true)` encodes it (truncation with its overflowing windows included), but each
+/// distinct context tokenized once: SQuAD asks about five questions of every paragraph, and the
+/// context is most of each pair's tokens. A pair's encoding is its two sequences encoded
+/// alone, then truncated and given special tokens by `post_process`, which is what this
+/// repeats with the context's encoding shared.
+pub fn encode_pairs(tok: &Tokenizer, examples: &[QaExample]) -> Result<Vec<Encoding>> {
+    use rayon::prelude::*;
+    let failed = |e| anyhow!("tokenization failed: {e}");
+    // One sequence, as the pair encoding encodes each: no truncation, padding or special tokens.
+    let mut alone = tok.clone();
+    alone
+        .with_truncation(None)
+        .map_err(failed)?
+        .with_padding(None)
+        .with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+    let mut context_index = std::collections::HashMap::new();
+    let mut contexts = Vec::new();
+    let which: Vec<usize> = examples
+        .iter()
+        .map(|e| {
+            *context_index.entry(e.context.as_str()).or_insert_with(|| {
+                contexts.push(e.context.as_str());
+                contexts.len() - 1
+            })
+        })
+        .collect();
+    let questions: Vec<&str> = examples.iter().map(|e| e.question.trim_start()).collect();
+    let questions = alone
+        .encode_batch_char_offsets(questions, false)
+        .map_err(failed)?;
+    let mut contexts = alone
+        .encode_batch_char_offsets(contexts, false)
+        .map_err(failed)?;
+    // The second sequence of a pair has token type 1.
+    for c in &mut contexts {
+        c.set_type_ids(vec![1; c.len()]);
+    }
+    questions
+        .into_par_iter()
+        .zip(which.into_par_iter())
+        .map(|(q, c)| {
+            tok.post_process(q, Some(contexts[c].clone()), true)
+                .map_err(failed)
+        })
+        .collect()
 }
 
 /// run_qa.py's labels: the tokens spanning the first answer when the window holds all of

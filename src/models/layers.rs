@@ -188,14 +188,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     }
 }
 
-/// A parameter drawn from normal(0, `std`), as transformers' `_init_weights` draws weights. Drawn
-/// in place: tch's `Init::Randn` draws, scales and shifts in three passes over fresh memory,
-/// which for a base-size model is a third of a second of every start.
+/// A parameter drawn from normal(0, `std`), as transformers' `_init_weights` draws weights:
+/// drawn once into uninitialised memory ([`super::init`]), from a stream keyed by one draw of
+/// libtorch's seeded generator, so the weights depend on the seed and on the order the
+/// parameters are created in.
 pub fn normal_var(p: &nn::Path, name: &str, dims: &[i64], std: f64) -> Tensor {
-    let mut t = p.var(name, dims, Init::Const(0.0));
-    tch::no_grad(|| {
-        let _ = t.normal_(0.0, std);
-    });
+    let t = p.add(name, Tensor::empty(dims, (Kind::Float, p.device())), true);
+    let key = Tensor::randint(i64::MAX, [1], (Kind::Int64, tch::Device::Cpu)).int64_value(&[0]);
+    super::init::fill_normal(&t, key as u64, std as f32);
     t
 }
 

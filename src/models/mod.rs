@@ -10,6 +10,7 @@ pub mod deberta_v2;
 pub mod distilbert;
 pub mod gpt2;
 pub mod hf_config;
+pub mod init;
 pub mod layers;
 pub mod llama;
 pub mod lora;
@@ -798,14 +799,11 @@ pub struct Pretrained {
     pub report: weights::LoadReport,
 }
 
-/// Reads `dir`'s config.json, lets `adapt` change it, and creates the model's variables,
-/// initialised as transformers initialises them (seeded).
-fn build(
+/// Reads `dir`'s config.json and lets `adapt` change it.
+pub fn read_config(
     dir: &std::path::Path,
-    head: Head,
     adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
-    seed: i64,
-) -> Result<(nn::VarStore, TaskModel)> {
+) -> Result<HfConfig> {
     let config_path = dir.join(crate::hf_files::CONFIG_FILE);
     if !config_path.is_file() {
         bail!(
@@ -816,6 +814,12 @@ fn build(
     }
     let mut config = HfConfig::from_file(&config_path)?;
     adapt(&mut config)?;
+    Ok(config)
+}
+
+/// Creates the model's variables for `config`, initialised as transformers initialises them
+/// (seeded).
+fn build(config: HfConfig, head: Head, seed: i64) -> Result<(nn::VarStore, TaskModel)> {
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = TaskModel::new(&vs.root(), config, head)?;
@@ -839,8 +843,18 @@ pub fn from_pretrained(
     adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
+    from_pretrained_with(dir, read_config(dir, adapt)?, head, seed)
+}
+
+/// [`from_pretrained`] with `dir`'s config.json already read (and adapted) into `config`.
+pub fn from_pretrained_with(
+    dir: &std::path::Path,
+    config: HfConfig,
+    head: Head,
+    seed: i64,
+) -> Result<Pretrained> {
     use anyhow::Context;
-    let (vs, model) = build(dir, head, adapt, seed)?;
+    let (vs, model) = build(config, head, seed)?;
     let checkpoint = weights::read_checkpoint(dir)?;
     let report = weights::load_checkpoint(&vs, &model, checkpoint)
         .with_context(|| format!("cannot load {} from {}", model.class_name(), dir.display()))?;
@@ -855,7 +869,12 @@ pub fn from_config(
     adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     seed: i64,
 ) -> Result<Pretrained> {
-    let (vs, model) = build(dir, head, adapt, seed)?;
+    from_config_with(read_config(dir, adapt)?, head, seed)
+}
+
+/// [`from_config`] with the config already read (and adapted).
+pub fn from_config_with(config: HfConfig, head: Head, seed: i64) -> Result<Pretrained> {
+    let (vs, model) = build(config, head, seed)?;
     let mut newly_initialised: Vec<String> = vs.variables().into_keys().collect();
     newly_initialised.sort();
     let report = weights::LoadReport {

@@ -48,6 +48,99 @@ pub struct ModelSource<'a> {
     pub random: bool,
 }
 
+/// What building a run's model takes, resolved before anything is built: the directory and
+/// config.json (adapted), a LoRA checkpoint's adapters, and the tokenizer.json.
+pub struct ModelPlan {
+    /// Where config.json and the weights are (a LoRA checkpoint's base model).
+    dir: PathBuf,
+    /// Build with random weights.
+    random: bool,
+    /// The model's config.json as adapted to the run.
+    pub hf: HfConfig,
+    /// A LoRA checkpoint's adapters, loaded onto the base model.
+    adapter: Option<lora::SavedAdapter>,
+    pub tokenizer_json: PathBuf,
+}
+
+/// Resolves where the run's model comes from (`source`) and reads its config.json, which
+/// `adapt` changes; checks `model.max_seq_len` against the model's positions.
+pub fn plan_model(
+    config: &Config,
+    source: ModelSource,
+    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
+) -> Result<ModelPlan> {
+    // A LoRA checkpoint holds the adapters only: the base model is the config's.
+    let adapter = (config.lora.r > 0 && lora::is_adapter_dir(source.dir))
+        .then(|| lora::read_adapter(source.dir))
+        .transpose()?;
+    let (dir, random) = match &adapter {
+        Some(_) => resolve_model(config, false)?,
+        None => (source.dir.to_path_buf(), source.fresh && source.random),
+    };
+    let hf = models::read_config(&dir, |c| {
+        adapt(c)?;
+        c.lora = config.lora.spec(c.arch);
+        Ok(())
+    })?;
+    let usable = hf.max_input_tokens();
+    if config.model.max_seq_len > usable {
+        bail!(
+            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
+            config.model.max_seq_len,
+            hf.max_position_embeddings
+        );
+    }
+    let tokenizer_json = if source.fresh && !config.model.tokenizer_file.is_empty() {
+        PathBuf::from(&config.model.tokenizer_file)
+    } else {
+        source.dir.join(TOKENIZER_FILE)
+    };
+    Ok(ModelPlan {
+        dir,
+        random,
+        hf,
+        adapter,
+        tokenizer_json,
+    })
+}
+
+/// Builds the planned model with its `head`; with `report`, says what the load did.
+pub fn build_model(
+    config: &Config,
+    plan: ModelPlan,
+    head: Head,
+    report: bool,
+) -> Result<models::Pretrained> {
+    let seed = config.runtime.seed as i64;
+    let ModelPlan {
+        dir,
+        random,
+        hf,
+        adapter,
+        ..
+    } = plan;
+    let loaded = if random {
+        models::from_config_with(hf, head, seed)?
+    } else {
+        models::from_pretrained_with(&dir, hf, head, seed)?
+    };
+    if let Some(saved) = &adapter {
+        lora::load_adapter(&loaded.vs, saved)?;
+    }
+    let class = loaded.model.class_name();
+    if report && random {
+        tracing::warn!(
+            "{class} randomly initialised from {}: no pretrained weights",
+            dir.join(CONFIG_FILE).display()
+        );
+    } else if report {
+        for line in loaded.report.summary_lines(&class, &dir) {
+            tracing::warn!("{line}");
+        }
+    }
+    Ok(loaded)
+}
+
 /// The run's model with its `head` from `source`, and its tokenizer.json; `adapt` changes
 /// config.json first. With `report`, says what the load did. Checks `model.max_seq_len`
 /// against the model's positions.
@@ -58,60 +151,9 @@ pub fn load_model(
     adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
     report: bool,
 ) -> Result<(models::Pretrained, PathBuf)> {
-    let seed = config.runtime.seed as i64;
-    // A LoRA checkpoint holds the adapters only: the base model is the config's.
-    let adapter = (config.lora.r > 0 && lora::is_adapter_dir(source.dir))
-        .then(|| lora::read_adapter(source.dir))
-        .transpose()?;
-    let base_dir;
-    let (dir, random) = match &adapter {
-        Some(_) => {
-            let (d, random) = resolve_model(config, false)?;
-            base_dir = d;
-            (base_dir.as_path(), random)
-        }
-        None => (source.dir, source.fresh && source.random),
-    };
-    let with_lora = |c: &mut HfConfig| {
-        adapt(c)?;
-        c.lora = config.lora.spec(c.arch);
-        Ok(())
-    };
-    let loaded = if random {
-        models::from_config(dir, head, with_lora, seed)?
-    } else {
-        models::from_pretrained(dir, head, with_lora, seed)?
-    };
-    if let Some(saved) = &adapter {
-        lora::load_adapter(&loaded.vs, saved)?;
-    }
-
-    let class = loaded.model.class_name();
-    if report && random {
-        tracing::warn!(
-            "{class} randomly initialised from {}: no pretrained weights",
-            dir.join(CONFIG_FILE).display()
-        );
-    } else if report {
-        for line in loaded.report.summary_lines(&class, dir) {
-            tracing::warn!("{line}");
-        }
-    }
-    let c = &loaded.model.config;
-    let usable = c.max_input_tokens();
-    if config.model.max_seq_len > usable {
-        bail!(
-            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
-            config.model.max_seq_len,
-            c.max_position_embeddings
-        );
-    }
-    let tokenizer = if source.fresh && !config.model.tokenizer_file.is_empty() {
-        PathBuf::from(&config.model.tokenizer_file)
-    } else {
-        source.dir.join(TOKENIZER_FILE)
-    };
-    Ok((loaded, tokenizer))
+    let plan = plan_model(config, source, adapt)?;
+    let tokenizer_json = plan.tokenizer_json.clone();
+    Ok((build_model(config, plan, head, report)?, tokenizer_json))
 }
 
 /// A run's model and tokenized data.
@@ -136,20 +178,32 @@ pub fn prepare(
 ) -> Result<Prepared> {
     let root = dist.is_root();
     let head = config.model.task.head();
-    let (pretrained, tokenizer_json) = load_model(config, source, head, |c| data.adapt(c), root)?;
-    crate::startup::mark("model");
+    let plan = plan_model(config, source, |c| data.adapt(c))?;
+    let tokenizer_json = plan.tokenizer_json.clone();
     let options = TokenizeOptions {
         tokenizer_json: &tokenizer_json,
-        pad_id: pretrained.model.config.pad_token_id,
+        pad_id: plan.hf.pad_token_id,
         max_seq_len: config.model.max_seq_len,
-        eos_id: pretrained.model.config.eos_token_ids.first().copied(),
+        eos_id: plan.hf.eos_token_ids.first().copied(),
     };
+    // Tokenizing needs only the tokenizer and config.json's special tokens, so it runs here
+    // (it may exchange features over MPI, which this thread alone calls) while a second thread
+    // builds the model: the two longest parts of startup, overlapped.
+    let (pretrained, tokenized) = std::thread::scope(|s| {
+        let builder = s.spawn(|| build_model(config, plan, head, root));
+        let tokenized = data.tokenize(&options, &MpiShards(dist), eval_only);
+        let pretrained = builder
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (pretrained, tokenized)
+    });
+    let pretrained = pretrained?;
     let Tokenized {
         train,
         eval,
         masking,
-    } = data.tokenize(&options, &MpiShards(dist), eval_only)?;
-    crate::startup::mark("tokenize");
+    } = tokenized?;
+    crate::startup::mark("model_and_tokenize");
     Ok(Prepared {
         vs: pretrained.vs,
         model: pretrained.model,
