@@ -63,7 +63,7 @@ pub struct ModelPlan {
 }
 
 /// Resolves where the run's model comes from (`source`) and reads its config.json, which
-/// `adapt` changes; checks `model.max_seq_len` against the model's positions.
+/// `adapt` changes.
 pub fn plan_model(
     config: &Config,
     source: ModelSource,
@@ -82,14 +82,6 @@ pub fn plan_model(
         c.lora = config.lora.spec(c.arch);
         Ok(())
     })?;
-    let usable = hf.max_input_tokens();
-    if config.model.max_seq_len > usable {
-        bail!(
-            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
-            config.model.max_seq_len,
-            hf.max_position_embeddings
-        );
-    }
     let tokenizer_json = if source.fresh && !config.model.tokenizer_file.is_empty() {
         PathBuf::from(&config.model.tokenizer_file)
     } else {
@@ -104,7 +96,8 @@ pub fn plan_model(
     })
 }
 
-/// Builds the planned model with its `head`; with `report`, says what the load did.
+/// Builds the planned model with its `head`; with `report`, says what the load did. Checks
+/// `model.max_seq_len` against the model's positions.
 pub fn build_model(
     config: &Config,
     plan: ModelPlan,
@@ -126,6 +119,15 @@ pub fn build_model(
     };
     if let Some(saved) = &adapter {
         lora::load_adapter(&loaded.vs, saved)?;
+    }
+    let c = &loaded.model.config;
+    let usable = c.max_input_tokens();
+    if config.model.max_seq_len > usable {
+        bail!(
+            "model.max_seq_len {} exceeds the {usable} tokens the model's {} position embeddings allow",
+            config.model.max_seq_len,
+            c.max_position_embeddings
+        );
     }
     let class = loaded.model.class_name();
     if report && random {
