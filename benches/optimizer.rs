@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use sprtrain::models::{self, Head};
-use sprtrain::optim::{AdamW, AdamWConfig, FlatParams};
+use sprtrain::optim::{clip_coefficient, AdamW, AdamWConfig, FlatParams};
 use tch::{Kind, Tensor};
 
 fn main() -> Result<()> {
@@ -40,8 +40,8 @@ fn main() -> Result<()> {
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps + 3 {
         let t = Instant::now();
-        flat.clip_grad_norm(1.0);
-        opt.step(&flat, 5e-5);
+        let scale = clip_coefficient(flat.grad_norm(), 1.0);
+        opt.step(&flat, 5e-5, scale);
         if rep >= 3 {
             times.push(t.elapsed().as_secs_f64());
         }

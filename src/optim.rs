@@ -196,28 +196,19 @@ impl FlatParams {
             .collect()
     }
 
-    /// Clears the gradients for the next accumulation window (one pass over the buffer).
-    pub fn zero_grads(&mut self) {
-        let mut grads = self.grads.shallow_clone();
-        tch::no_grad(|| {
-            let _ = grads.zero_();
-        });
+    /// The gradient's global L2 norm.
+    pub fn grad_norm(&self) -> f64 {
+        self.grads.norm().double_value(&[])
     }
+}
 
-    /// Scales the flat gradient so its L2 norm is at most `max_norm` (as
-    /// `torch.nn.utils.clip_grad_norm_`); returns the norm before clipping.
-    pub fn clip_grad_norm(&self, max_norm: f64) -> f64 {
-        let norm = self.grads.norm().double_value(&[]);
-        if max_norm > 0.0 {
-            let coef = max_norm / (norm + 1e-6);
-            if coef < 1.0 {
-                let mut grads = self.grads.shallow_clone();
-                tch::no_grad(|| {
-                    let _ = grads.f_mul_(&Tensor::from(coef as f32));
-                });
-            }
-        }
-        norm
+/// The factor `torch.nn.utils.clip_grad_norm_` multiplies gradients of global L2 norm `norm`
+/// by, `max_norm / (norm + 1e-6)` at most 1, as f32; 1 with no clipping (`max_norm` 0).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f32 {
+    if max_norm > 0.0 {
+        (max_norm / (norm + 1e-6)).min(1.0) as f32
+    } else {
+        1.0
     }
 }
 
@@ -282,10 +273,12 @@ impl AdamW {
         Ok(())
     }
 
-    /// One update of `flat.params` from `flat.grads` at learning rate `lr`: torch's
-    /// single-tensor AdamW per element, fused into one parallel pass over the flat buffers
-    /// (each of p, m, v, g read once, p, m, v written once; nothing allocated).
-    pub fn step(&mut self, flat: &FlatParams, lr: f64) {
+    /// One update of `flat.params` from `flat.grads` times `grad_scale` (clipping's factor)
+    /// at learning rate `lr`: torch's gradient scaling, single-tensor AdamW and zeroing of the
+    /// gradient per element, fused into one parallel pass over the flat buffers (each of p, m,
+    /// v, g read and written once; nothing allocated). The gradient is left zero for the next
+    /// accumulation window.
+    pub fn step(&mut self, flat: &FlatParams, lr: f64, grad_scale: f32) {
         let c = self.config;
         self.step += 1;
         let bias_correction1 = 1.0 - c.beta1.powi(self.step as i32);
@@ -298,6 +291,7 @@ impl AdamW {
             step_size: (lr / bias_correction1) as f32,
             bias_correction2_sqrt: bias_correction2_sqrt as f32,
             eps: c.eps as f32,
+            grad_scale,
         };
         let n = flat.numel() as usize;
         // SAFETY: the four buffers are distinct, contiguous fp32 CPU tensors of n elements that
@@ -308,7 +302,7 @@ impl AdamW {
                 f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
                 f32_slice_mut(&self.exp_avg, n).as_mut_ptr() as usize,
                 f32_slice_mut(&self.exp_avg_sq, n).as_mut_ptr() as usize,
-                flat.grads.data_ptr() as usize,
+                f32_slice_mut(&flat.grads, n).as_mut_ptr() as usize,
             ]
         };
         flat.chunks.par_iter().for_each(|&(start, len, decay)| {
@@ -318,7 +312,7 @@ impl AdamW {
                     std::slice::from_raw_parts_mut((base[0] as *mut f32).add(start), len),
                     std::slice::from_raw_parts_mut((base[1] as *mut f32).add(start), len),
                     std::slice::from_raw_parts_mut((base[2] as *mut f32).add(start), len),
-                    std::slice::from_raw_parts((base[3] as *const f32).add(start), len),
+                    std::slice::from_raw_parts_mut((base[3] as *mut f32).add(start), len),
                 )
             };
             k.apply(p, m, v, g, decay);
@@ -343,12 +337,17 @@ struct FusedAdamW {
     step_size: f32,
     bias_correction2_sqrt: f32,
     eps: f32,
+    /// Clipping's factor on the gradient (exactly 1 without clipping).
+    grad_scale: f32,
 }
 
 impl FusedAdamW {
     #[inline]
-    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], decay: bool) {
-        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &mut [f32], decay: bool) {
+        for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let grad = *g * self.grad_scale; // grads.mul_(clip_coef_clamped)
+            *g = 0.0; // zero_grad for the next window
+            let g = grad;
             if decay {
                 *p *= self.decay; // param.mul_(1 - lr * weight_decay)
             }
@@ -450,10 +449,10 @@ pub struct StepUpdate {
 impl Optimizer {
     /// Takes step `step` (0-based: the first step's learning rate is the schedule's at 0).
     pub fn step(&mut self, step: usize) -> StepUpdate {
-        let grad_norm = self.flat.clip_grad_norm(self.max_grad_norm);
+        let grad_norm = self.flat.grad_norm();
         let lr = self.schedule.lr(step as i64);
-        self.adamw.step(&self.flat, lr);
-        self.flat.zero_grads();
+        let grad_scale = clip_coefficient(grad_norm, self.max_grad_norm);
+        self.adamw.step(&self.flat, lr, grad_scale);
         StepUpdate { grad_norm, lr }
     }
 }
@@ -558,7 +557,7 @@ mod tests {
             },
             &flat,
         );
-        opt.step(&flat, 0.01);
+        opt.step(&flat, 0.01, 1.0);
         let got = Vec::<f32>::try_from(&flat.params).unwrap();
         // decay: p *= 1 - 0.001; then p -= 0.01 * sign(g) (eps negligible)
         let want = [1.0 * 0.999 - 0.01, -2.0 * 0.999 + 0.01, 3.0 * 0.999 - 0.01];
@@ -567,5 +566,41 @@ mod tests {
         }
         // The variable sees the update: it is a view of the flat buffer.
         assert!((w.double_value(&[0]) - want[0]).abs() < 1e-6);
+        // The step leaves the gradient zero for the next accumulation window.
+        assert_eq!(Vec::<f32>::try_from(&flat.grads).unwrap(), [0.0; 3]);
+    }
+
+    #[test]
+    fn clipping_scales_the_gradient_inside_the_step() {
+        // torch: coef = max_norm / (norm + 1e-6), clamped to 1.
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert_eq!(clip_coefficient(4.0, 1.0), (1.0 / (4.0 + 1e-6)) as f32);
+        assert_eq!(clip_coefficient(4.0, 0.0), 1.0);
+        // Without weight decay and with beta1 = 0, the second step's update is lr * g2 /
+        // sqrt(beta2 v1 + (1 - beta2) g2^2): it sees the scaled second gradient.
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = (vs.root() / "w").var_copy("weight", &Tensor::from_slice(&[0.0f32]));
+        let flat = FlatParams::new(&vs, |_| 0);
+        let mut opt = AdamW::new(
+            AdamWConfig {
+                beta1: 0.0,
+                beta2: 0.5,
+                eps: 0.0,
+                weight_decay: 0.0,
+            },
+            &flat,
+        );
+        let set_grad = |g: f32| {
+            let mut grads = flat.grads.shallow_clone();
+            tch::no_grad(|| grads.copy_(&Tensor::from_slice(&[g])));
+        };
+        set_grad(1.0);
+        opt.step(&flat, 1.0, 1.0);
+        let p1 = flat.params.double_value(&[0]);
+        set_grad(4.0);
+        opt.step(&flat, 1.0, 0.25); // clipped to 1.0
+        let update = p1 - flat.params.double_value(&[0]);
+        // v1 = 0.5, v2 = 0.25 + 0.5 * 1 = 0.75; bias corrections 0.5 and 0.75: denom 1.
+        assert!((update - 1.0).abs() < 1e-6, "{update}");
     }
 }
