@@ -5,7 +5,7 @@
 # link shaped by tc to a chosen bandwidth (tbf), and latency and loss (netem, where the kernel
 # has it), in both directions.
 #
-#   scripts/sim_cluster.sh up     [--name NAME] [--nodes N] [--rate RATE] [--delay DELAY] [--loss PCT]
+#   scripts/sim_cluster.sh up     [--name NAME] [--nodes N] [--rate RATE] [--delay DELAY] [--loss PCT] [--own-cores]
 #   scripts/sim_cluster.sh shape  [--name NAME] [--node HOST] [--rate RATE] [--delay DELAY] [--loss PCT]
 #   scripts/sim_cluster.sh link   HOST up|down
 #   scripts/sim_cluster.sh exec   HOST COMMAND [ARGS...]
@@ -16,7 +16,10 @@
 #
 # NAME defaults to "sim"; node k is called NAME-nK (hostname and namespace alike) and has
 # address 10.213.0.(k+1) on its eth0. RATE and DELAY are tc's units (10gbit, 50us); no
-# --rate means unshaped (as fast as the kernel moves veth traffic). Addresses exist only on
+# --rate means unshaped (as fast as the kernel moves veth traffic). With --own-cores each node
+# gets its own share of this machine's CPUs (node k the k-th of N equal slices; N must not
+# exceed the CPUs) and everything `exec` starts on it is bound there, as a real node's
+# processes have its cores to themselves; without it every node sees every CPU. Addresses exist only on
 # interfaces inside the namespaces created here: the node namespaces have no route but their
 # subnet and the switch has no address, so nothing can leave the machine. Needs root and
 # iproute2 (ip, tc) and util-linux (unshare, nsenter).
@@ -112,10 +115,14 @@ cluster_of() {
 }
 
 up() {
-  local name=$1 nodes=$2 rate=$3 delay=$4 loss=$5 k host
+  local name=$1 nodes=$2 rate=$3 delay=$4 loss=$5 own_cores=$6 k host cpus
   need_root
   [[ "$name" =~ ^[a-z][a-z0-9]{0,11}$ ]] || { echo "sim_cluster.sh: --name must be 1-12 lower-case letters or digits, starting with a letter" >&2; exit 2; }
   [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 64 ] || { echo "sim_cluster.sh: --nodes must be 1..64" >&2; exit 2; }
+  if [ -n "$own_cores" ]; then
+    mapfile -t cpus < <(taskset -cp $$ | sed 's/.*: //' | tr ',' '\n' | awk -F- '{ for (c = $1; c <= ($2 == "" ? $1 : $2); c++) print c }')
+    [ "$nodes" -le "${#cpus[@]}" ] || { echo "sim_cluster.sh: --own-cores needs a CPU per node: $nodes nodes, ${#cpus[@]} CPUs" >&2; exit 2; }
+  fi
   [ ! -e "$state/$name.nodes" ] || { echo "sim_cluster.sh: cluster \"$name\" is already up (scripts/sim_cluster.sh down --name $name)" >&2; exit 1; }
   mkdir -p "$state"
   # Anything half-made is removed if a step fails.
@@ -149,9 +156,13 @@ up() {
     mkdir -p "/etc/netns/$host"
     printf '%s' "$hosts" >"/etc/netns/$host/hosts"
     shape_node "$name" "$host" "$rate" "$delay" "$loss"
+    if [ -n "$own_cores" ]; then
+      local first=$((k * ${#cpus[@]} / nodes)) last=$(((k + 1) * ${#cpus[@]} / nodes))
+      (IFS=,; echo "${cpus[*]:first:last-first}") >"$state/$host.cpus"
+    fi
   done
   trap - EXIT
-  echo "cluster $name: $nodes nodes ($(paste -sd' ' "$state/$name.nodes")) on $subnet.0/24, links ${rate:-unshaped}${delay:+, $delay latency}${loss:+, $loss% loss}"
+  echo "cluster $name: $nodes nodes ($(paste -sd' ' "$state/$name.nodes")) on $subnet.0/24, links ${rate:-unshaped}${delay:+, $delay latency}${loss:+, $loss% loss}${own_cores:+, each node on its own CPUs}"
 }
 
 down() {
@@ -163,7 +174,7 @@ down() {
     ip netns pids "$host" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$host" 2>/dev/null || true
     umount "$state/$host.uts" 2>/dev/null || true
-    rm -f "$state/$host.uts"
+    rm -f "$state/$host.uts" "$state/$host.cpus"
     rm -rf "/etc/netns/$host"
   done
   rm -f "$state/$name.hostfile"
@@ -175,7 +186,7 @@ down() {
 cmd=${1:-}
 [ -n "$cmd" ] || usage
 shift
-name=sim nodes=2 rate="" delay="" loss="" node=""
+name=sim nodes=2 rate="" delay="" loss="" node="" own_cores=""
 case "$cmd" in
   up | down | shape | hosts)
     while [ $# -gt 0 ]; do
@@ -186,12 +197,13 @@ case "$cmd" in
         --delay) delay=$2; shift 2 ;;
         --loss) loss=$2; shift 2 ;;
         --node) node=$2; shift 2 ;;
+        --own-cores) own_cores=1; shift ;;
         *) usage ;;
       esac
     done ;;
 esac
 case "$cmd" in
-  up) up "$name" "$nodes" "$rate" "$delay" "$loss" ;;
+  up) up "$name" "$nodes" "$rate" "$delay" "$loss" "$own_cores" ;;
   down) down "$name" ;;
   shape)
     need_root
@@ -211,7 +223,9 @@ case "$cmd" in
     host=$1
     shift
     cluster_of "$host" >/dev/null
-    exec ip netns exec "$host" nsenter --uts="$state/$host.uts" -- "$@" ;;
+    bind=()
+    [ -f "$state/$host.cpus" ] && bind=(taskset -c "$(cat "$state/$host.cpus")")
+    exec ip netns exec "$host" nsenter --uts="$state/$host.uts" -- "${bind[@]}" "$@" ;;
   bytes)
     [ $# = 1 ] || usage
     cluster_of "$1" >/dev/null

@@ -38,6 +38,11 @@ impl Cluster {
     /// Starts cluster `cfoo<pid>` with unshaped links, or skips (None) where namespaces
     /// cannot be made (not root, no iproute2).
     fn up(tag: &str) -> Option<Cluster> {
+        Cluster::up_with(tag, 2, &[])
+    }
+
+    /// `up` with `nodes` nodes and extra `sim_cluster.sh up` flags.
+    fn up_with(tag: &str, nodes: usize, flags: &[&str]) -> Option<Cluster> {
         let root = unsafe { libc::geteuid() } == 0;
         let ip = Command::new("ip")
             .arg("-V")
@@ -49,7 +54,8 @@ impl Cluster {
         )?;
         let name = format!("c{tag}{}", std::process::id() % 100_000);
         let out = Command::new(script("sim_cluster.sh"))
-            .args(["up", "--name", &name, "--nodes", "2"])
+            .args(["up", "--name", &name, "--nodes", &nodes.to_string()])
+            .args(flags)
             .output()
             .unwrap();
         let cluster = Cluster { name };
@@ -59,6 +65,33 @@ impl Cluster {
             String::from_utf8_lossy(&out.stderr)
         );
         Some(cluster)
+    }
+
+    /// The CPUs a process started on node k may run on (its `Cpus_allowed_list`).
+    fn node_cpus(&self, k: usize) -> Vec<usize> {
+        let out = Command::new(script("sim_cluster.sh"))
+            .args([
+                "exec",
+                &self.host(k),
+                "grep",
+                "Cpus_allowed_list",
+                "/proc/self/status",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let list = text.split(':').nth(1).unwrap_or("").trim().to_string();
+        list.split(',')
+            .flat_map(|part| {
+                let (a, b) = part.split_once('-').unwrap_or((part, part));
+                a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()
+            })
+            .collect()
     }
 
     fn host(&self, k: usize) -> String {
@@ -181,6 +214,47 @@ fn pin_map(stderr: &str) -> Vec<(usize, String, Vec<usize>)> {
         ));
     }
     out
+}
+
+/// `up --own-cores` gives each node its own slice of this machine's CPUs (as real nodes have
+/// their own cores: the layout of scripts/scaling.sh), and what `exec` starts on a node is
+/// bound to that slice; without the flag a node may use every CPU; more nodes than CPUs is
+/// refused with one line.
+#[test]
+fn own_cores_give_each_node_its_own_cpus() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let root = unsafe { libc::geteuid() } == 0;
+    if require(root.then_some(()), "a simulated cluster needs root").is_none() {
+        return;
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus >= 2 {
+        let Some(cluster) = Cluster::up_with("oc", 2, &["--own-cores"]) else {
+            return;
+        };
+        let (a, b) = (cluster.node_cpus(0), cluster.node_cpus(1));
+        eprintln!("node 0: cpus {a:?}, node 1: cpus {b:?}");
+        assert!(!a.is_empty() && !b.is_empty());
+        assert!(a.iter().all(|c| !b.contains(c)), "nodes share cpus");
+        assert_eq!(a.len() + b.len(), cpus, "every cpu belongs to a node");
+        drop(cluster);
+        let Some(shared) = Cluster::up_with("sh", 2, &[]) else {
+            return;
+        };
+        assert_eq!(shared.node_cpus(0).len(), cpus);
+    }
+    let name = format!("cox{}", std::process::id() % 100_000);
+    let nodes = (cpus + 1).to_string();
+    let out = Command::new(script("sim_cluster.sh"))
+        .args(["up", "--name", &name, "--nodes", &nodes, "--own-cores"])
+        .output()
+        .unwrap();
+    let _ = Command::new(script("sim_cluster.sh"))
+        .args(["down", "--name", &name])
+        .output();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--own-cores needs a CPU per node"), "{err}");
 }
 
 /// 4 ranks on 2 nodes with batch 4 each against one process with batch 4 and 4-fold

@@ -117,32 +117,20 @@ fn ln(x: f32) -> f32 {
 #[inline(always)]
 fn cos_sin(x: f32) -> (f32, f32) {
     let x2 = x * x;
-    let cos = 1.0
-        - x2 / 2.0
-            * (1.0
-                - x2 / 12.0
-                    * (1.0
-                        - x2 / 30.0
-                            * (1.0
-                                - x2 / 56.0
-                                    * (1.0
-                                        - x2 / 90.0
-                                            * (1.0
-                                                - x2 / 132.0
-                                                    * (1.0 - x2 / 182.0 * (1.0 - x2 / 240.0)))))));
-    let sin = x
-        * (1.0
-            - x2 / 6.0
-                * (1.0
-                    - x2 / 20.0
-                        * (1.0
-                            - x2 / 42.0
-                                * (1.0
-                                    - x2 / 72.0
-                                        * (1.0
-                                            - x2 / 110.0
-                                                * (1.0 - x2 / 156.0 * (1.0 - x2 / 210.0)))))));
+    // Term k over term k-1 is -x2 / ((2k-1) 2k) for cos and -x2 / (2k (2k+1)) for sin.
+    let cos = nested_series(x2, &[2.0, 12.0, 30.0, 56.0, 90.0, 132.0, 182.0, 240.0]);
+    let sin = x * nested_series(x2, &[6.0, 20.0, 42.0, 72.0, 110.0, 156.0, 210.0]);
     (cos, sin)
+}
+
+/// 1 - x2/d0 (1 - x2/d1 (1 - ... (1 - x2/dn))), evaluated from the innermost bracket out (a
+/// fixed order, so every build and both code paths give the same bits).
+#[inline(always)]
+fn nested_series(x2: f32, divisors: &[f32]) -> f32 {
+    divisors
+        .iter()
+        .rev()
+        .fold(1.0, |inner, &d| 1.0 - x2 / d * inner)
 }
 
 /// Eight Box-Muller pairs, pairs `first_pair ..` of the stream: radius from one uniform in
