@@ -29,7 +29,7 @@ fn main() -> Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot start {mpirun}: {e}"))?;
         std::process::exit(status.code().unwrap_or(1));
     }
-    let dist = Dist::init(120.0, 0)?;
+    let dist = Dist::init(120.0)?;
     let world = dist.topo.world;
     if dist.is_root() {
         println!("allreduce over {world} processes (sprtrain's MPI thread, non-blocking)");

@@ -9,6 +9,9 @@ at seq 384 and 128, batch 4 per process, fp32 compute, 1 thread per process:
   with bf16 on the wire;
 * bytes on the links at N = 2 and N = 4 nodes, fp32 against bf16.
 
+With --pairs N it runs only the acceptance row (seq 384, 25 Gbit/s, fp32 wire), each two-node
+run right after its own reference, and prints the median efficiency of the N pairs.
+
 Per run it reads metrics.jsonl (steps after the first: step time, exposed communication, the
 bytes the loop counts) and the sending node's veth counter between the first and the last step.
 Then it fits a model of a step (compute, link bandwidth, latency, the share of communication
@@ -19,6 +22,7 @@ Standard library only: it runs with the system python3.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -142,6 +146,9 @@ def main():
     p.add_argument("--json", default=str(OUT / "scaling.json"))
     p.add_argument("--report", metavar="JSON", help="only print the tables of an earlier run's JSON")
     p.add_argument("--reference-only", action="store_true", help="rerun the references into --json, then report")
+    p.add_argument("--pairs", type=int, default=0, metavar="N",
+                   help="only the acceptance row (seq 384, 25 Gbit/s, fp32 wire): N alternations of the "
+                        "reference and the two-node run, each pair's efficiency and their median")
     a = p.parse_args()
     if a.reference_only:
         results = json.loads(Path(a.json).read_text())
@@ -161,6 +168,8 @@ def main():
         return report(results, rows)
     if os.geteuid() != 0:
         sys.exit("scaling.py: needs root (network namespaces)")
+    if a.pairs:
+        return pairs(a.pairs, a.steps)
     mpirun = os.environ.get("SPRTRAIN_MPIRUN", "mpirun")
     OUT.mkdir(parents=True, exist_ok=True)
     rows, results = [], {"machine": os.uname().nodename, "steps": a.steps}
@@ -196,6 +205,27 @@ def main():
         sh(SIM, "down", "--name", NAME, capture_output=True, check=False)
     Path(a.json).write_text(json.dumps(results, indent=1))
     report(results, rows)
+
+
+def pairs(n, steps):
+    """The acceptance row n times, each two-node run right after its own reference: this VM's
+    speed drifts by 15% within minutes, so only a run's own reference compares with it."""
+    effs = []
+    try:
+        cluster(2, "25gbit")
+        for i in range(n):
+            base = reference(384, steps)
+            out = OUT / f"pair-{i}"
+            r = run([SIM, "mpirun", "--name", NAME, "-n", 2, "-ppn", 1, BIN,
+                     *settings(384, steps, 1, "fp32", out)], out)
+            effs.append(efficiency(base, r))
+            print(f"pair {i + 1}: reference {base['step_s']:.2f} s/step, two nodes {r['step_s']:.2f} s/step, "
+                  f"efficiency {effs[-1]:.3f}, exposed comm {r['comm_s']:.3f} s ({100 * r['comm_s'] / r['step_s']:.1f}%)",
+                  flush=True)
+    finally:
+        sh(SIM, "down", "--name", NAME, capture_output=True, check=False)
+    print(f"seq 384, 25 Gbit/s, fp32 wire: efficiency median {statistics.median(effs):.3f} of {n} pairs "
+          f"(spread {min(effs):.3f}-{max(effs):.3f})")
 
 
 def report(results, rows):

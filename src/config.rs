@@ -126,12 +126,6 @@ pub struct DistConfig {
     pub collective_timeout_s: f64,
     /// Pin each process's compute threads to its own physical cores.
     pub pin_threads: bool,
-    /// Niceness of the communication thread, 0-19. MPICH waits for a sum by polling, so while
-    /// gradients move it competes for a core with the compute threads if no core is left
-    /// free for it (every core computing, or more processes than cores): 19 lets the compute
-    /// threads keep the core and the sums move in their gaps (more of the communication is
-    /// then exposed after backward, and the step is shorter). 0 = equal terms.
-    pub comm_thread_nice: i32,
 }
 
 impl Default for DistConfig {
@@ -141,7 +135,6 @@ impl Default for DistConfig {
             reduce_dtype: ReduceDtype::Fp32,
             collective_timeout_s: 300.0,
             pin_threads: true,
-            comm_thread_nice: 0,
         }
     }
 }
@@ -675,9 +668,6 @@ impl Config {
         }
         if self.dist.bucket_mb.is_nan() || self.dist.bucket_mb <= 0.0 {
             bail!("dist.bucket_mb: must be positive");
-        }
-        if !(0..=19).contains(&self.dist.comm_thread_nice) {
-            bail!("dist.comm_thread_nice: must be 0 to 19");
         }
         for target in &self.train.report_to {
             if !matches!(target.as_str(), "tensorboard" | "none") {

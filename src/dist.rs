@@ -82,8 +82,6 @@ pub struct Dist {
     timeout: Duration,
     /// Payload bytes this rank has sent in sums (see `allreduce_bytes`).
     bytes_sent: AtomicU64,
-    /// The communication thread's niceness, as the kernel reports it.
-    pub comm_nice: i32,
 }
 
 /// Whether an MPI launcher (MPICH / Intel MPI Hydra, or any PMI launcher) started us.
@@ -276,10 +274,8 @@ fn all_gather_varcount<T: Equivalence + Default + Clone>(
 }
 
 impl Dist {
-    /// Joins the world: MPI when a launcher started us, else a world of one. The
-    /// communication thread runs at niceness `comm_nice` (see `DistConfig::comm_thread_nice`);
-    /// the threads MPI starts inherit it.
-    pub fn init(collective_timeout_s: f64, comm_nice: i32) -> Result<Dist> {
+    /// Joins the world: MPI when a launcher started us, else a world of one.
+    pub fn init(collective_timeout_s: f64) -> Result<Dist> {
         let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
         let host = crate::sysinfo::hostname();
         if !launched_by_mpi() {
@@ -296,23 +292,13 @@ impl Dist {
                 thread: None,
                 timeout,
                 bytes_sent: AtomicU64::new(0),
-                comm_nice: 0,
             });
         }
         let (tx, rx) = channel::<Job>();
-        let (topo_tx, topo_rx) = channel::<Result<(Topology, i32), String>>();
+        let (topo_tx, topo_rx) = channel::<Result<Topology, String>>();
         let thread = std::thread::Builder::new()
             .name("sprtrain-mpi".into())
             .spawn(move || {
-                // SAFETY: sets and reads this thread's own niceness (per thread on Linux, by
-                // its id); raising it needs no privilege.
-                let nice = unsafe {
-                    let tid = libc::gettid() as libc::id_t;
-                    if comm_nice > 0 {
-                        libc::setpriority(libc::PRIO_PROCESS, tid, comm_nice);
-                    }
-                    libc::getpriority(libc::PRIO_PROCESS, tid)
-                };
                 let Some((universe, _level)) =
                     mpi::initialize_with_threading(mpi::Threading::Funneled)
                 else {
@@ -328,7 +314,7 @@ impl Dist {
                     host: mpi::environment::processor_name()
                         .unwrap_or_else(|_| crate::sysinfo::hostname()),
                 };
-                let _ = topo_tx.send(Ok((topo, nice)));
+                let _ = topo_tx.send(Ok(topo));
                 let several_nodes = comms.node.size() < comms.world.size();
                 serve(comms, rx);
                 if several_nodes {
@@ -343,7 +329,7 @@ impl Dist {
                 // Otherwise `universe` drops here: MPI_Finalize, on this thread.
             })
             .context("cannot start the MPI communication thread")?;
-        let (topo, comm_nice) = topo_rx
+        let topo = topo_rx
             .recv_timeout(timeout)
             .map_err(|_| {
                 anyhow!("MPI initialisation did not finish within {collective_timeout_s} s")
@@ -355,7 +341,6 @@ impl Dist {
             thread: Some(thread),
             timeout,
             bytes_sent: AtomicU64::new(0),
-            comm_nice,
         })
     }
 
@@ -624,7 +609,7 @@ mod tests {
 
     #[test]
     fn a_world_of_one_reduces_locally() {
-        let d = Dist::init(5.0, 0).unwrap();
+        let d = Dist::init(5.0).unwrap();
         if d.topo.world != 1 {
             return; // under a launcher this test has nothing to say
         }

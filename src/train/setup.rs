@@ -233,11 +233,7 @@ pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
         );
     }
     // The pin map: one line per rank, naming its host and cores, printed once by rank 0.
-    let mut placement = threads.describe(&dist.topo);
-    if dist.comm_nice > 0 {
-        placement += &format!(", communication thread at nice {}", dist.comm_nice);
-    }
-    let placements = dist.all_gather_bytes("pin map", placement.into_bytes())?;
+    let placements = dist.all_gather_bytes("pin map", threads.describe(&dist.topo).into_bytes())?;
     if dist.is_root() {
         let lines: Vec<String> = placements
             .iter()
@@ -272,10 +268,10 @@ pub fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<(
 /// printed with its rank and stops them all (a lone error would leave the others waiting in
 /// a collective).
 pub fn on_every_rank<T>(
-    settings: &crate::config::DistConfig,
+    collective_timeout_s: f64,
     job: impl FnOnce(&Dist) -> Result<T>,
 ) -> Result<T> {
-    let dist = Dist::init(settings.collective_timeout_s, settings.comm_thread_nice)?;
+    let dist = Dist::init(collective_timeout_s)?;
     let _rank =
         (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
     match job(&dist) {
