@@ -16,8 +16,7 @@ Rows (issue 6):
      batch 32, batches padded to their longest, bf16 (where the CPU has bf16 units) and fp32,
      in random order and grouped by length on both sides, against Trainer with
      DataCollatorWithPadding (scripts/bench_reference_cls.py): samples/s and non-pad tokens/s
-  h  the same on sentence pairs (consecutive SST-2 sentences, the first one's label), seq <= 128;
-     rows g, h and l, like row a, report the medians of `--repeats` alternating pairs of runs
+  h  the same on sentence pairs (consecutive SST-2 sentences, the first one's label), seq <= 128
   j  inference with the row-g model fine-tuned for 20 steps, fp32, batch 32: `sprtrain predict` on
      4,096 SST-2 sentences against transformers' text-classification pipeline, and `sprtrain eval`
      on the SST-2 dev set against Trainer.evaluate (scripts/bench_reference_infer.py); each
@@ -27,6 +26,7 @@ Rows (issue 6):
      into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
      tokens/s and MFU in fp32, bf16 where the CPU has bf16 units, LoRA r=16 on q/v (PEFT on the
      reference side) with peak memory against full fine-tuning
+Rows g, h and l, like row a, report the medians of `--repeats` alternating pairs of runs.
 
 Each training run takes `steps` optimizer steps; the first `warmup` are not measured. A step's
 time is the wall time between consecutive optimizer steps (data, forward, backward,
@@ -176,6 +176,15 @@ def median_of_pairs(pairs):
                     "sprtrain_losses": pairs[0]["sprtrain_losses"],
                     "reference_losses": pairs[0]["reference_losses"]})
     return summary
+
+
+def spread_text(summary):
+    """'median of N alternating pairs, ratio spread A-B' for a `median_of_pairs` summary of
+    several pairs; empty for one."""
+    ratios = summary.get("ratios", [summary["ratio"]])
+    if len(ratios) < 2:
+        return ""
+    return f"median of {len(ratios)} alternating pairs, ratio spread {min(ratios):.2f}x-{max(ratios):.2f}x"
 
 
 def cls_rows(args, out_dir: Path, steps: int, warmup: int, bf16: bool):
@@ -547,8 +556,7 @@ def markdown(rep) -> str:
             precision, order = variant.split("-")
             target = 1.3 if precision == "bf16" else 1.2
             order_text = "length-grouped" if order == "grouped" else "random order"
-            ratios = r.get("ratios", [r["ratio"]])
-            pairs_text = f"median of {len(ratios)} alternating pairs, ratio spread {min(ratios):.2f}x-{max(ratios):.2f}x; " if len(ratios) > 1 else ""
+            pairs_text = spread_text(r) + "; " if spread_text(r) else ""
             lines.append(f"| {row} | samples/s, {what}, batch 32, padded per batch, {order_text}, {precision} ({pairs_text}non-pad tokens/s: {r['sprtrain_tokens_per_s']:.0f} and {r['reference_tokens_per_s']:.0f}) | {r['sprtrain_samples_per_s']:.1f} | {r['reference_samples_per_s']:.1f} | {r['ratio']:.2f}x | >= {target}x | {yes(r['ratio'] >= target)} |")
     if "j" in rows:
         j = rows["j"]
@@ -557,8 +565,7 @@ def markdown(rep) -> str:
     if "l" in rows:
         lm = rows["l"]
         f32 = lm["fp32"]
-        ratios = f32.get("ratios", [f32["ratio"]])
-        spread = f" (median of {len(ratios)} alternating pairs, ratio spread {min(ratios):.2f}x-{max(ratios):.2f}x)" if len(ratios) > 1 else ""
+        spread = f" ({spread_text(f32)})" if spread_text(f32) else ""
         lines.append(f"| l | tokens/s, Llama-125M causal LM, seq 512, batch 1, fp32, 2 threads{spread} | {f32['sprtrain_tokens_per_s']:.0f} | {f32['reference_tokens_per_s']:.0f} | {f32['ratio']:.2f}x | >= 1.2x | {yes(f32['ratio'] >= 1.2)} |")
         lines.append(f"| l | MFU ({lm['model_gflop_per_step']:.0f} GFLOP a step / step time / fp32 GEMM peak) | {100 * f32['sprtrain_mfu']:.1f}% | {100 * f32['reference_mfu']:.1f}% | | >= 80% | {yes(f32['sprtrain_mfu'] >= 0.8)} |")
         if "bf16" in lm:

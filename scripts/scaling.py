@@ -40,11 +40,23 @@ def sh(*args, check=True, **kw):
     return subprocess.run([str(a) for a in args], check=check, text=True, **kw)
 
 
+def physical_cores():
+    """Physical cores among the CPUs this process may use (hyperthreads counted once)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+        except OSError:
+            cores.add(("", str(cpu)))
+    return len(cores)
+
+
 def cluster(nodes, rate=None):
     """Each node on its own cores where there are enough (as real nodes are): floating, the
     two ranks' threads and their network work land on one core at times, and step times
     swing by a third from run to run."""
-    own = ["--own-cores"] if nodes <= len(os.sched_getaffinity(0)) else []
+    own = ["--own-cores"] if nodes <= physical_cores() else []
     sh(SIM, "down", "--name", NAME, capture_output=True, check=False)
     sh(SIM, "up", "--name", NAME, "--nodes", nodes, *own, *(["--rate", rate] if rate else []))
 

@@ -17,10 +17,10 @@
 # NAME defaults to "sim"; node k is called NAME-nK (hostname and namespace alike) and has
 # address 10.213.0.(k+1) on its eth0. RATE and DELAY are tc's units (10gbit, 50us); no
 # --rate means unshaped (as fast as the kernel moves veth traffic). With --own-cores each node
-# gets its own share of this machine's CPUs (node k the k-th of N equal slices; N must not
-# exceed the CPUs) and everything `exec` starts on it is bound there, as a real node's
-# processes have its cores to themselves; without it every node sees every CPU. Addresses exist only on
-# interfaces inside the namespaces created here: the node namespaces have no route but their
+# gets its own physical cores (node k the k-th of N equal slices of this machine's cores, with
+# their hyperthreads; N must not exceed the cores) and everything `exec` starts on it is bound
+# there, as a real node's processes have its cores to themselves; without it every node sees
+# every CPU. Addresses exist only on interfaces inside the namespaces created here: the node namespaces have no route but their
 # subnet and the switch has no address, so nothing can leave the machine. Needs root and
 # iproute2 (ip, tc) and util-linux (unshare, nsenter).
 #
@@ -45,7 +45,7 @@ usage() {
 
 need_root() {
   [ "$(id -u)" = 0 ] || { echo "sim_cluster.sh: needs root (network namespaces)" >&2; exit 1; }
-  for tool in ip tc unshare nsenter; do
+  for tool in ip tc unshare nsenter taskset; do
     command -v "$tool" >/dev/null || { echo "sim_cluster.sh: $tool not found (apt-get install iproute2 util-linux)" >&2; exit 1; }
   done
 }
@@ -114,14 +114,28 @@ cluster_of() {
   echo "${host%-n*}"
 }
 
+# The physical cores this script may run on, one a line, each as its CPUs ("0,4"): the
+# allowed CPUs grouped by (package, core id), in order.
+physical_cores() {
+  taskset -cp $$ | sed 's/.*: //' | tr ',' '\n' \
+    | awk -F- '{ for (c = $1; c <= ($2 == "" ? $1 : $2); c++) print c }' \
+    | while read -r c; do
+        t=/sys/devices/system/cpu/cpu$c/topology
+        echo "$(cat "$t/physical_package_id" 2>/dev/null || echo 0) $(cat "$t/core_id" 2>/dev/null || echo "$c") $c"
+      done \
+    | sort -n -k1,1 -k2,2 -k3,3 \
+    | awk '{ key = $1 " " $2; if (NR > 1 && key != prev) { print line; line = "" }
+             line = line (line == "" ? "" : ",") $3; prev = key } END { if (NR) print line }'
+}
+
 up() {
-  local name=$1 nodes=$2 rate=$3 delay=$4 loss=$5 own_cores=$6 k host cpus
+  local name=$1 nodes=$2 rate=$3 delay=$4 loss=$5 own_cores=$6 k host cores
   need_root
   [[ "$name" =~ ^[a-z][a-z0-9]{0,11}$ ]] || { echo "sim_cluster.sh: --name must be 1-12 lower-case letters or digits, starting with a letter" >&2; exit 2; }
   [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 64 ] || { echo "sim_cluster.sh: --nodes must be 1..64" >&2; exit 2; }
   if [ -n "$own_cores" ]; then
-    mapfile -t cpus < <(taskset -cp $$ | sed 's/.*: //' | tr ',' '\n' | awk -F- '{ for (c = $1; c <= ($2 == "" ? $1 : $2); c++) print c }')
-    [ "$nodes" -le "${#cpus[@]}" ] || { echo "sim_cluster.sh: --own-cores needs a CPU per node: $nodes nodes, ${#cpus[@]} CPUs" >&2; exit 2; }
+    mapfile -t cores < <(physical_cores)
+    [ "$nodes" -le "${#cores[@]}" ] || { echo "sim_cluster.sh: --own-cores needs a core per node: $nodes nodes, ${#cores[@]} cores" >&2; exit 2; }
   fi
   [ ! -e "$state/$name.nodes" ] || { echo "sim_cluster.sh: cluster \"$name\" is already up (scripts/sim_cluster.sh down --name $name)" >&2; exit 1; }
   mkdir -p "$state"
@@ -157,12 +171,12 @@ up() {
     printf '%s' "$hosts" >"/etc/netns/$host/hosts"
     shape_node "$name" "$host" "$rate" "$delay" "$loss"
     if [ -n "$own_cores" ]; then
-      local first=$((k * ${#cpus[@]} / nodes)) last=$(((k + 1) * ${#cpus[@]} / nodes))
-      (IFS=,; echo "${cpus[*]:first:last-first}") >"$state/$host.cpus"
+      local first=$((k * ${#cores[@]} / nodes)) last=$(((k + 1) * ${#cores[@]} / nodes))
+      (IFS=,; echo "${cores[*]:first:last-first}") >"$state/$host.cpus"
     fi
   done
   trap - EXIT
-  echo "cluster $name: $nodes nodes ($(paste -sd' ' "$state/$name.nodes")) on $subnet.0/24, links ${rate:-unshaped}${delay:+, $delay latency}${loss:+, $loss% loss}${own_cores:+, each node on its own CPUs}"
+  echo "cluster $name: $nodes nodes ($(paste -sd' ' "$state/$name.nodes")) on $subnet.0/24, links ${rate:-unshaped}${delay:+, $delay latency}${loss:+, $loss% loss}${own_cores:+, each node on its own cores}"
 }
 
 down() {

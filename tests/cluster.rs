@@ -216,10 +216,10 @@ fn pin_map(stderr: &str) -> Vec<(usize, String, Vec<usize>)> {
     out
 }
 
-/// `up --own-cores` gives each node its own slice of this machine's CPUs (as real nodes have
-/// their own cores: the layout of scripts/scaling.sh), and what `exec` starts on a node is
-/// bound to that slice; without the flag a node may use every CPU; more nodes than CPUs is
-/// refused with one line.
+/// `up --own-cores` gives each node its own slice of this machine's physical cores (as real
+/// nodes have their own cores: the layout of scripts/scaling.sh), and what `exec` starts on a
+/// node is bound to that slice; without the flag a node may use every CPU; more nodes than
+/// cores is refused with one line.
 #[test]
 fn own_cores_give_each_node_its_own_cpus() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
@@ -228,7 +228,8 @@ fn own_cores_give_each_node_its_own_cpus() {
         return;
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus >= 2 {
+    let cores = sprtrain::sysinfo::physical_cores().len();
+    if cores >= 2 {
         let Some(cluster) = Cluster::up_with("oc", 2, &["--own-cores"]) else {
             return;
         };
@@ -244,7 +245,7 @@ fn own_cores_give_each_node_its_own_cpus() {
         assert_eq!(shared.node_cpus(0).len(), cpus);
     }
     let name = format!("cox{}", std::process::id() % 100_000);
-    let nodes = (cpus + 1).to_string();
+    let nodes = (cores + 1).to_string();
     let out = Command::new(script("sim_cluster.sh"))
         .args(["up", "--name", &name, "--nodes", &nodes, "--own-cores"])
         .output()
@@ -254,7 +255,7 @@ fn own_cores_give_each_node_its_own_cpus() {
         .output();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("--own-cores needs a CPU per node"), "{err}");
+    assert!(err.contains("--own-cores needs a core per node"), "{err}");
 }
 
 /// 4 ranks on 2 nodes with batch 4 each against one process with batch 4 and 4-fold
