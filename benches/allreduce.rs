@@ -3,6 +3,8 @@
 //!
 //!   cargo bench --bench allreduce           re-runs itself under `mpirun -n 2`
 //!   mpirun -n 4 target/release/deps/allreduce-*   any other world size
+//!   ALLREDUCE_TRANSPORT=tcp cargo bench --bench allreduce   fp32 over the TCP ring
+//!                                                           (`dist.transport = "tcp"`)
 //!
 //! algbw = bucket bytes / time; busbw = algbw x 2 (n - 1) / n, the traffic each link carries in
 //! a ring allreduce (nccl-tests' convention), comparable across world sizes.
@@ -10,7 +12,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use sprtrain::dist::Dist;
+use sprtrain::dist::{Dist, Transport};
 
 /// Whether an MPI launcher started this process (MPICH/Intel MPI, Open MPI, PMIx).
 fn under_launcher() -> bool {
@@ -29,10 +31,17 @@ fn main() -> Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot start {mpirun}: {e}"))?;
         std::process::exit(status.code().unwrap_or(1));
     }
-    let dist = Dist::init(120.0)?;
+    let transport = match std::env::var("ALLREDUCE_TRANSPORT").as_deref() {
+        Ok("tcp") => Transport::Tcp,
+        Ok("mpi") | Err(_) => Transport::Mpi,
+        Ok(other) => bail!("ALLREDUCE_TRANSPORT={other}: want mpi or tcp"),
+    };
+    let dist = Dist::init(120.0, transport)?;
     let world = dist.topo.world;
     if dist.is_root() {
-        println!("allreduce over {world} processes (sprtrain's MPI thread, non-blocking)");
+        println!(
+            "allreduce over {world} processes (sprtrain's MPI thread, non-blocking; fp32 over {transport:?})"
+        );
         println!("| bucket MB | wire | ms per allreduce | algbw GB/s | busbw GB/s |");
         println!("| ---: | --- | ---: | ---: | ---: |");
     }

@@ -10,7 +10,9 @@ at seq 384 and 128, batch 4 per process, fp32 compute, 1 thread per process:
 * bytes on the links at N = 2 and N = 4 nodes, fp32 against bf16.
 
 With --pairs N it runs only the acceptance row (seq 384, 25 Gbit/s, fp32 wire), each two-node
-run right after its own reference, and prints the median efficiency of the N pairs.
+run right after its own reference, and prints the median efficiency of the N pairs; with
+--transport mpi,tcp each pair runs the two-node job once per gradient transport
+(dist.transport), so the transports compare against the same reference.
 
 Per run it reads metrics.jsonl (steps after the first: step time, exposed communication, the
 bytes the loop counts) and the sending node's veth counter between the first and the last step.
@@ -66,8 +68,9 @@ def tx_bytes(node):
     return int(out[0])
 
 
-def settings(seq, steps, accum, wire, out):
+def settings(seq, steps, accum, wire, out, transport="mpi"):
     return [
+        "--set", f"dist.transport={transport}",
         "--config", CONFIG,
         "--set", f"model.max_seq_len={seq}",
         "--set", f"qa.doc_stride={128 if seq >= 256 else 32}",
@@ -158,6 +161,8 @@ def main():
     p.add_argument("--json", default=str(OUT / "scaling.json"))
     p.add_argument("--report", metavar="JSON", help="only print the tables of an earlier run's JSON")
     p.add_argument("--reference-only", action="store_true", help="rerun the references into --json, then report")
+    p.add_argument("--transport", default="mpi",
+                   help="dist.transport of the two-node runs: mpi or tcp (with --pairs, a list: mpi,tcp)")
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="only the acceptance row (seq 384, 25 Gbit/s, fp32 wire): N alternations of the "
                         "reference and the two-node run, each pair's efficiency and their median")
@@ -180,11 +185,15 @@ def main():
         return report(results, rows)
     if os.geteuid() != 0:
         sys.exit("scaling.py: needs root (network namespaces)")
+    transports = a.transport.split(",")
+    if any(t not in ("mpi", "tcp") for t in transports) or (len(transports) > 1 and not a.pairs):
+        sys.exit(f"scaling.py: --transport {a.transport}: mpi or tcp (a list only with --pairs)")
     if a.pairs:
-        return pairs(a.pairs, a.steps)
+        return pairs(a.pairs, a.steps, transports)
+    transport = transports[0]
     mpirun = os.environ.get("SPRTRAIN_MPIRUN", "mpirun")
     OUT.mkdir(parents=True, exist_ok=True)
-    rows, results = [], {"machine": os.uname().nodename, "steps": a.steps}
+    rows, results = [], {"machine": os.uname().nodename, "steps": a.steps, "transport": transport}
     try:
         for seq in [int(s) for s in a.seqs.split(",")]:
             alone = run([BIN, *settings(seq, a.steps, 2, "fp32", OUT / f"alone-{seq}")], OUT / f"alone-{seq}")
@@ -197,7 +206,7 @@ def main():
                 for wire in ["fp32", "bf16"]:
                     out = OUT / f"n2-{seq}-{rate or 'unshaped'}-{wire}"
                     cmd = [SIM, "mpirun", "--name", NAME, "-n", 2, "-ppn", 1, BIN,
-                           *settings(seq, a.steps, 1, wire, out)]
+                           *settings(seq, a.steps, 1, wire, out, transport)]
                     r = run(cmd, out, watch_node=1)
                     r["ratio"] = efficiency(base, r)
                     results[out.name] = r
@@ -209,7 +218,7 @@ def main():
             cluster(nodes)
             for wire in ["fp32", "bf16"]:
                 out = OUT / f"bytes-n{nodes}-{wire}"
-                cmd = [SIM, "mpirun", "--name", NAME, "-n", nodes, "-ppn", 1, BIN, *settings(128, 3, 1, wire, out)]
+                cmd = [SIM, "mpirun", "--name", NAME, "-n", nodes, "-ppn", 1, BIN, *settings(128, 3, 1, wire, out, transport)]
                 r = run(cmd, out, watch_node=nodes - 1)
                 results[out.name] = r
                 print(f"N={nodes} {wire}: link {r['bytes_link'] / 1e6:.1f} MB/step/rank, counted {r['bytes_counted'] / 1e6:.1f} MB", flush=True)
@@ -219,25 +228,28 @@ def main():
     report(results, rows)
 
 
-def pairs(n, steps):
+def pairs(n, steps, transports):
     """The acceptance row n times, each two-node run right after its own reference: this VM's
-    speed drifts by 15% within minutes, so only a run's own reference compares with it."""
-    effs = []
+    speed drifts by 15% within minutes, so only a run's own reference compares with it. With
+    several transports, each pair runs one two-node job per transport after the reference."""
+    effs = {t: [] for t in transports}
     try:
         cluster(2, "25gbit")
         for i in range(n):
             base = reference(384, steps)
-            out = OUT / f"pair-{i}"
-            r = run([SIM, "mpirun", "--name", NAME, "-n", 2, "-ppn", 1, BIN,
-                     *settings(384, steps, 1, "fp32", out)], out)
-            effs.append(efficiency(base, r))
-            print(f"pair {i + 1}: reference {base['step_s']:.2f} s/step, two nodes {r['step_s']:.2f} s/step, "
-                  f"efficiency {effs[-1]:.3f}, exposed comm {r['comm_s']:.3f} s ({100 * r['comm_s'] / r['step_s']:.1f}%)",
-                  flush=True)
+            for t in transports:
+                out = OUT / f"pair-{i}-{t}"
+                r = run([SIM, "mpirun", "--name", NAME, "-n", 2, "-ppn", 1, BIN,
+                         *settings(384, steps, 1, "fp32", out, t)], out)
+                effs[t].append(efficiency(base, r))
+                print(f"pair {i + 1} {t}: reference {base['step_s']:.2f} s/step, two nodes {r['step_s']:.2f} s/step, "
+                      f"efficiency {effs[t][-1]:.3f}, exposed comm {r['comm_s']:.3f} s "
+                      f"({100 * r['comm_s'] / r['step_s']:.1f}%)", flush=True)
     finally:
         sh(SIM, "down", "--name", NAME, capture_output=True, check=False)
-    print(f"seq 384, 25 Gbit/s, fp32 wire: efficiency median {statistics.median(effs):.3f} of {n} pairs "
-          f"(spread {min(effs):.3f}-{max(effs):.3f})")
+    for t, e in effs.items():
+        print(f"seq 384, 25 Gbit/s, fp32 wire, transport {t}: efficiency median {statistics.median(e):.3f} "
+              f"of {n} pairs (spread {min(e):.3f}-{max(e):.3f})")
 
 
 def report(results, rows):

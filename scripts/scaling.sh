@@ -6,7 +6,8 @@
 # Each simulated node runs on its own core (sim_cluster.sh up --own-cores).
 # Needs root, ../shared/data/squad/xquad.en.json and the release build (scripts/setup.sh).
 # About 25 minutes on 2 cores (--steps 4). Arguments go to scripts/scaling.py (--help);
-# `--pairs 4` runs only the 25 Gbit/s fp32 seq-384 row, alternated with its reference.
+# `--pairs 4` runs only the 25 Gbit/s fp32 seq-384 row, alternated with its reference;
+# `--transport tcp` (or, with --pairs, `mpi,tcp`) sets dist.transport for the two-node runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f ../shared/data/squad/xquad.en.json ] || { echo "scaling.sh: needs ../shared/data/squad/xquad.en.json" >&2; exit 2; }

@@ -114,6 +114,14 @@ pub enum ReduceDtype {
     Bf16,
 }
 
+/// How gradient sums travel between processes (`dist.transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientTransport {
+    Mpi,
+    Tcp,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DistConfig {
@@ -126,6 +134,11 @@ pub struct DistConfig {
     pub collective_timeout_s: f64,
     /// Pin each process's compute threads to its own physical cores.
     pub pin_threads: bool,
+    /// How fp32 gradient sums travel: "mpi" (the MPI library's allreduce), or "tcp" (a ring of
+    /// TCP connections of sprtrain's own with blocking sockets, as Gloo: it waits without
+    /// MPI's busy polling, which takes CPU from training where a node has no core to spare;
+    /// SPRTRAIN_SOCKET_IFNAME picks its interface). bf16 sums and the rest stay on MPI.
+    pub transport: GradientTransport,
 }
 
 impl Default for DistConfig {
@@ -135,6 +148,7 @@ impl Default for DistConfig {
             reduce_dtype: ReduceDtype::Fp32,
             collective_timeout_s: 300.0,
             pin_threads: true,
+            transport: GradientTransport::Mpi,
         }
     }
 }

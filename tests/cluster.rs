@@ -373,6 +373,57 @@ fn two_nodes_train_like_one_process_with_accumulation() {
     assert!(worst < 1e-2, "bf16 wire: {worst}");
 }
 
+/// `dist.transport = "tcp"`: the same 4 ranks on 2 nodes with the gradients summed over
+/// sprtrain's own TCP ring train like one process with 4-fold accumulation (per-step losses
+/// and final weights within 1e-5, as over MPI), and the gradients crossed the link: the ring
+/// 0 -> 1 -> 2 -> 3 -> 0 has one connection each way between the nodes, and node 1 sends
+/// 2 (N-1)/N of every 4-byte gradient on it each step (1.5 x 4 bytes a parameter at N = 4).
+#[test]
+fn the_tcp_ring_trains_like_one_process_across_nodes() {
+    let Some((_one, mpirun, cluster)) = start("tcp") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = mpi_data(tmp.path());
+    let steps = 30;
+    let (c4, out4) = mpi_config(tmp.path(), &data, "ring", 4, 1, steps);
+    let before = cluster.link_bytes(1);
+    let run = cluster
+        .mpirun(
+            &mpirun,
+            tmp.path(),
+            &c4,
+            &[&["--set", "dist.transport=tcp"]],
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr).to_string();
+    assert!(run.status.success(), "{stderr}");
+    let after = cluster.link_bytes(1);
+
+    let (c1, out1) = mpi_config(tmp.path(), &data, "accumulation", 4, 4, steps);
+    run_ok({
+        let mut one = Command::new(BIN);
+        one.arg("--config").arg(&c1);
+        one
+    });
+    let (l4, l1) = (losses(&out4), losses(&out1));
+    assert_eq!(l4.len(), steps);
+    let worst = max_rel_diff(&l1, &l4);
+    eprintln!("per-step loss max relative difference {worst:e}");
+    assert!(worst <= 1e-5, "losses {l1:?} vs {l4:?}");
+    let (w4, w1) = (weights(&out4), weights(&out1));
+    let wmax = max_weight_diff(&w1, &w4);
+    eprintln!("final weights max abs difference {wmax:e}");
+    assert!(wmax <= 1e-5, "weights differ by {wmax}");
+
+    let params: u64 = w1.iter().map(|(_, t)| t.numel() as u64).sum();
+    let ring_share = steps as u64 * sprtrain::dist::allreduce_bytes(params as usize, 4, 4);
+    let (sent, received) = (after.0 - before.0, after.1 - before.1);
+    eprintln!("node 1's link: sent {sent} B, received {received} B; the ring needs {ring_share} B each way");
+    assert!(sent >= ring_share && received >= ring_share);
+}
+
 /// bf16 on the wire across 2 nodes x 2 ranks, where sums go node-first (fp32 within the node,
 /// bf16 between nodes): the test runs itself on the cluster, and each rank checks that its
 /// sums are within the bf16 rounding bound of the exact sums and equal on every rank
@@ -460,41 +511,58 @@ fn wait_for_end(
 }
 
 /// `kill -9` of a rank on node 1: every rank on both nodes ends, and the job exits non-zero,
-/// within 30 s.
+/// within 30 s; with the gradients on MPI and on the TCP ring (the launcher sees the death
+/// and ends the job at once, before a neighbour's broken connection can: that path is
+/// `dist::ring`'s unit test).
 #[test]
 fn killing_a_rank_on_another_node_ends_the_job() {
     let Some((_one, mpirun, cluster)) = start("kill") else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let (job, config) = start_long_job(&cluster, &mpirun, tmp.path(), &[]);
-    let victim = rank_pid(&config, 2).expect("rank 2's process");
-    unsafe { libc::kill(victim, libc::SIGKILL) };
-    let (status, took, _) = wait_for_end(job, &config, Duration::from_secs(30));
-    eprintln!("job ended {took:?} after rank 2 (node 1) was killed, status {status}");
-    assert!(!status.success());
+    for transport in ["mpi", "tcp"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let set = format!("dist.transport={transport}");
+        let (job, config) = start_long_job(&cluster, &mpirun, tmp.path(), &["--set", &set]);
+        let victim = rank_pid(&config, 2).expect("rank 2's process");
+        unsafe { libc::kill(victim, libc::SIGKILL) };
+        let (status, took, _) = wait_for_end(job, &config, Duration::from_secs(30));
+        eprintln!(
+            "{transport}: job ended {took:?} after rank 2 (node 1) was killed, status {status}"
+        );
+        assert!(!status.success());
+    }
 }
 
 /// Node 1's link fails mid-run (its switch port goes down): a rank reports the collective it
 /// waited for past `dist.collective_timeout_s`, naming itself, and the whole job ends non-zero
-/// instead of hanging.
+/// instead of hanging; with the gradients on MPI and on the TCP ring, each on a new cluster.
 #[test]
 fn a_dead_link_trips_the_collective_timeout() {
-    let Some((_one, mpirun, cluster)) = start("link") else {
-        return;
-    };
+    for transport in ["mpi", "tcp"] {
+        let Some((_one, mpirun, cluster)) = start("link") else {
+            return;
+        };
+        a_dead_link_with(&cluster, &mpirun, transport);
+    }
+}
+
+/// `a_dead_link_trips_the_collective_timeout` with the gradients on `transport`.
+fn a_dead_link_with(cluster: &Cluster, mpirun: &str, transport: &str) {
     let tmp = tempfile::tempdir().unwrap();
+    let set = format!("dist.transport={transport}");
     let (job, config) = start_long_job(
-        &cluster,
-        &mpirun,
+        cluster,
+        mpirun,
         tmp.path(),
-        &["--set", "dist.collective_timeout_s=5"],
+        &["--set", "dist.collective_timeout_s=5", "--set", &set],
     );
     cluster.set_link(1, "down");
     // The ranks give up after 5 s and abort the job; a launcher still waiting on node 1 gives
     // up when TCP does (the simulated nodes retransmit for about 13 s, tcp_retries2 = 5).
     let (status, took, stderr) = wait_for_end(job, &config, Duration::from_secs(60));
-    eprintln!("{stderr}\njob ended {took:?} after node 1's link went down, status {status}");
+    eprintln!(
+        "{stderr}\n{transport}: job ended {took:?} after node 1's link went down, status {status}"
+    );
     assert!(!status.success());
     // Whichever rank times out first reports (its abort may end the others before they do).
     let reported = stderr.lines().any(|l| {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     eval_results, logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data,
-    rank_pid, require_mpirun, run_ok, weights,
+    rank_pid, require_mpirun, run_ok, weight_values, weights,
 };
 use serde_json::Value;
 
@@ -47,6 +47,22 @@ fn two_ranks_equal_one_rank_with_double_batch_or_accumulation() {
         .args(["--set", "dist.bucket_mb=0.01"]);
     run_ok(cmd);
     assert_eq!(losses(&outb), two.0, "bucketing changed the run");
+    // The TCP ring (over loopback here), with the small buckets: two ranks' sums are a + b
+    // over the ring as over MPI, so again the very same run.
+    let (ct, outt) = mpi_config(tmp.path(), &data, "tcp-ring", 4, 1, 30);
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["-n", "2", BIN, "--config"]).arg(&ct).args([
+        "--set",
+        "dist.bucket_mb=0.01",
+        "--set",
+        "dist.transport=tcp",
+    ]);
+    run_ok(cmd);
+    assert_eq!(losses(&outt), two.0, "the TCP ring changed the run");
+    assert!(
+        weight_values(&outt) == weight_values(&out2),
+        "the TCP ring changed the weights"
+    );
     // bf16 on the wire: the same run to bf16 rounding of the gradients.
     let (cf, outf) = mpi_config(tmp.path(), &data, "bf16-wire", 4, 1, 30);
     let mut cmd = Command::new(&mpirun);

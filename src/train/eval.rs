@@ -102,7 +102,7 @@ pub fn evaluate_saved(
     model_dir: Option<&Path>,
     output_dir: Option<&Path>,
 ) -> Result<Option<BTreeMap<String, f64>>> {
-    on_every_rank(config.dist.collective_timeout_s, |dist| {
+    on_every_rank(&config.dist, |dist| {
         let root = dist.is_root();
         let default_dir = PathBuf::from(&config.train.output_dir);
         let dir = model_dir.unwrap_or(&default_dir);

@@ -64,7 +64,7 @@ pub struct Summary {
 /// Under an MPI launcher this process is one rank of the job; an error on any rank is printed
 /// with its rank and stops every rank.
 pub fn train(config: &Config, resume: Option<&str>) -> Result<Summary> {
-    on_every_rank(config.dist.collective_timeout_s, |dist| {
+    on_every_rank(&config.dist, |dist| {
         Trainer::new(config, resume, dist)?.run()
     })
 }

@@ -11,7 +11,7 @@ use crate::checkpoint;
 use crate::config::{Config, Precision};
 use crate::data::batching::Feature;
 use crate::data::masking::Masking;
-use crate::dist::Dist;
+use crate::dist::{Dist, Transport};
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
 use crate::models::{self, layers::AutocastGuard, lora, Head, HfConfig, TaskModel};
@@ -268,10 +268,14 @@ pub fn prepare_output_dir(out: &Path, resume: bool, overwrite: bool) -> Result<(
 /// printed with its rank and stops them all (a lone error would leave the others waiting in
 /// a collective).
 pub fn on_every_rank<T>(
-    collective_timeout_s: f64,
+    config: &crate::config::DistConfig,
     job: impl FnOnce(&Dist) -> Result<T>,
 ) -> Result<T> {
-    let dist = Dist::init(collective_timeout_s)?;
+    let transport = match config.transport {
+        crate::config::GradientTransport::Mpi => Transport::Mpi,
+        crate::config::GradientTransport::Tcp => Transport::Tcp,
+    };
+    let dist = Dist::init(config.collective_timeout_s, transport)?;
     let _rank =
         (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
     match job(&dist) {

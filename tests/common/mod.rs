@@ -412,7 +412,7 @@ pub const BF16_RANK_CHECK: &str = "SPRTRAIN_TEST_BF16_WIRE_RANK";
 /// |got - exact| <= 2^-8 (sum |x_r| + |exact|) + 2^-20 sum |x_r|. Every rank holds the same
 /// values, bit for bit; and rounding happened (some differ from the fp32 sum).
 pub fn bf16_wire_rank_check() {
-    let dist = sprtrain::dist::Dist::init(60.0).unwrap();
+    let dist = sprtrain::dist::Dist::init(60.0, sprtrain::dist::Transport::Mpi).unwrap();
     let (rank, world) = (dist.topo.rank, dist.topo.world);
     assert!(world > 1, "launched without a world");
     let value = |r: usize, i: usize| -> f64 {

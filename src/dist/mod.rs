@@ -5,7 +5,10 @@
 //! for each reply with a timeout, so a collective that never finishes is reported instead of
 //! hanging. Buffers travel by ownership (moved there and back), nothing is copied or shared.
 //! Without a launcher (no PMI_RANK / PMI_SIZE in the environment) the world is one process and
-//! MPI is not initialised at all.
+//! MPI is not initialised at all. With `Transport::Tcp` the fp32 gradient sums travel over a
+//! ring of TCP connections of our own instead of MPI (see `ring`), still from this thread.
+
+mod ring;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -97,6 +100,15 @@ fn launched_by_mpi() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
+/// How fp32 gradient sums travel between processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// The MPI library's allreduce.
+    Mpi,
+    /// Our own TCP ring with blocking sockets (see `ring`); MPI carries everything else.
+    Tcp,
+}
+
 /// The communicators the MPI thread works with.
 struct Comms {
     world: SimpleCommunicator,
@@ -106,6 +118,8 @@ struct Comms {
     /// ranks and there are several nodes with several ranks each: then bf16 sums go
     /// node-first (see `allreduce_bf16_by_node`).
     across: Option<SimpleCommunicator>,
+    /// The TCP gradient ring, with `Transport::Tcp`.
+    ring: Option<ring::Ring>,
 }
 
 impl Comms {
@@ -121,7 +135,22 @@ impl Comms {
             world,
             node,
             across,
+            ring: None,
         }
+    }
+
+    /// Every rank opens a listener, the endpoints are all-gathered over MPI, and each rank
+    /// connects to its ring neighbours.
+    fn connect_ring(&mut self, host: &str, timeout: Duration) -> Result<()> {
+        let listening = ring::listen(host)?;
+        let peers = all_gather_varcount(&self.world, &listening.endpoint.encode())
+            .iter()
+            .enumerate()
+            .map(|(r, bytes)| ring::Endpoint::decode(bytes).with_context(|| format!("rank {r}")))
+            .collect::<Result<Vec<_>>>()?;
+        let rank = self.world.rank() as usize;
+        self.ring = Some(ring::Ring::connect(listening, rank, &peers, timeout)?);
+        Ok(())
     }
 }
 
@@ -133,7 +162,12 @@ fn serve(comms: Comms, jobs: Receiver<Job>) {
                 // SAFETY: the requester owns this memory and does not touch it until it gets
                 // the reply (see `Dist::start_allreduce_into`).
                 let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
-                if let (true, Some(across)) = (bf16, &comms.across) {
+                if let (false, Some(ring)) = (bf16, &comms.ring) {
+                    if let Err(e) = ring.allreduce_sum(&send, out) {
+                        eprint_line(&format!("sprtrain: {e:#}; aborting the job"));
+                        world.abort(3);
+                    }
+                } else if let (true, Some(across)) = (bf16, &comms.across) {
                     allreduce_bf16_by_node(&comms.node, across, &send, out);
                 } else if bf16 {
                     allreduce_bf16_wire(world, &send, out);
@@ -275,7 +309,8 @@ fn all_gather_varcount<T: Equivalence + Default + Clone>(
 
 impl Dist {
     /// Joins the world: MPI when a launcher started us, else a world of one.
-    pub fn init(collective_timeout_s: f64) -> Result<Dist> {
+    /// `transport` says how the fp32 gradient sums travel (other collectives use MPI).
+    pub fn init(collective_timeout_s: f64, transport: Transport) -> Result<Dist> {
         let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
         let host = crate::sysinfo::hostname();
         if !launched_by_mpi() {
@@ -305,7 +340,18 @@ impl Dist {
                     let _ = topo_tx.send(Err("MPI was already initialised".into()));
                     return;
                 };
-                let comms = Comms::new(universe.world());
+                let mut comms = Comms::new(universe.world());
+                if transport == Transport::Tcp && comms.world.size() > 1 {
+                    let host = mpi::environment::processor_name()
+                        .unwrap_or_else(|_| crate::sysinfo::hostname());
+                    if let Err(e) = comms.connect_ring(&host, timeout) {
+                        let _ = topo_tx.send(Err(format!("{e:#}")));
+                        // No MPI_Finalize: the other ranks may never reach it. The error
+                        // ends this process, and the launcher the job.
+                        std::mem::forget(universe);
+                        return;
+                    }
+                }
                 let topo = Topology {
                     rank: comms.world.rank() as usize,
                     world: comms.world.size() as usize,
@@ -609,7 +655,7 @@ mod tests {
 
     #[test]
     fn a_world_of_one_reduces_locally() {
-        let d = Dist::init(5.0).unwrap();
+        let d = Dist::init(5.0, Transport::Mpi).unwrap();
         if d.topo.world != 1 {
             return; // under a launcher this test has nothing to say
         }
