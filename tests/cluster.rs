@@ -258,6 +258,27 @@ fn own_cores_give_each_node_its_own_cpus() {
     assert!(err.contains("--own-cores needs a core per node"), "{err}");
 }
 
+/// Runs one process with batch 4 and 4-fold accumulation on `data` and checks that the
+/// 4-rank run in `out4` matched it: per-step losses within 1e-5 relative and final weights
+/// within 1e-5 (fp32; the runs differ only in summation order). Returns the 4-rank run's
+/// losses and the model's parameter count.
+fn like_accumulation(dir: &Path, data: &Path, out4: &Path, steps: usize) -> (Vec<f64>, u64) {
+    let (c1, out1) = mpi_config(dir, data, "accumulation", 4, 4, steps);
+    let mut one = Command::new(BIN);
+    one.arg("--config").arg(&c1);
+    run_ok(one);
+    let (l4, l1) = (losses(out4), losses(&out1));
+    assert_eq!(l4.len(), steps);
+    let worst = max_rel_diff(&l1, &l4);
+    eprintln!("per-step loss max relative difference {worst:e}");
+    assert!(worst <= 1e-5, "losses {l1:?} vs {l4:?}");
+    let (w4, w1) = (weights(out4), weights(&out1));
+    let wmax = max_weight_diff(&w1, &w4);
+    eprintln!("final weights max abs difference {wmax:e}");
+    assert!(wmax <= 1e-5, "weights differ by {wmax}");
+    (l4, w1.iter().map(|(_, t)| t.numel() as u64).sum())
+}
+
 /// 4 ranks on 2 nodes with batch 4 each against one process with batch 4 and 4-fold
 /// accumulation: per-step losses within 1e-5 relative and final weights within 1e-5, as the
 /// single-host test. Ranks 0-1 run on node 0 and 2-3 on node 1, each node's two on different
@@ -302,26 +323,10 @@ fn two_nodes_train_like_one_process_with_accumulation() {
         );
     }
 
-    let (c1, out1) = mpi_config(tmp.path(), &data, "accumulation", 4, 4, steps);
-    let one = Command::new(BIN).arg("--config").arg(&c1).output().unwrap();
-    assert!(
-        one.status.success(),
-        "{}",
-        String::from_utf8_lossy(&one.stderr)
-    );
-    let (l4, l1) = (losses(&out4), losses(&out1));
-    assert_eq!(l4.len(), steps);
-    let worst = max_rel_diff(&l1, &l4);
-    eprintln!("per-step loss max relative difference {worst:e}");
-    assert!(worst <= 1e-5, "losses {l1:?} vs {l4:?}");
-    let (w4, w1) = (weights(&out4), weights(&out1));
-    let wmax = max_weight_diff(&w1, &w4);
-    let params: i64 = w1.iter().map(|(_, t)| t.numel() as i64).sum();
-    eprintln!("final weights max abs difference {wmax:e}");
-    assert!(wmax <= 1e-5, "weights differ by {wmax}");
+    let (l4, params) = like_accumulation(tmp.path(), &data, &out4, steps);
 
     // Node 1's partial gradient must reach node 0 and the sum come back, every step.
-    let must_cross = (steps as i64 * params * 4) as u64;
+    let must_cross = steps as u64 * params * 4;
     let (sent, received) = (after.0 - before.0, after.1 - before.1);
     eprintln!("node 1's link: sent {sent} B, received {received} B; gradients need {must_cross} B each way");
     assert!(sent >= must_cross && received >= must_cross);
@@ -401,23 +406,7 @@ fn the_tcp_ring_trains_like_one_process_across_nodes() {
     assert!(run.status.success(), "{stderr}");
     let after = cluster.link_bytes(1);
 
-    let (c1, out1) = mpi_config(tmp.path(), &data, "accumulation", 4, 4, steps);
-    run_ok({
-        let mut one = Command::new(BIN);
-        one.arg("--config").arg(&c1);
-        one
-    });
-    let (l4, l1) = (losses(&out4), losses(&out1));
-    assert_eq!(l4.len(), steps);
-    let worst = max_rel_diff(&l1, &l4);
-    eprintln!("per-step loss max relative difference {worst:e}");
-    assert!(worst <= 1e-5, "losses {l1:?} vs {l4:?}");
-    let (w4, w1) = (weights(&out4), weights(&out1));
-    let wmax = max_weight_diff(&w1, &w4);
-    eprintln!("final weights max abs difference {wmax:e}");
-    assert!(wmax <= 1e-5, "weights differ by {wmax}");
-
-    let params: u64 = w1.iter().map(|(_, t)| t.numel() as u64).sum();
+    let (_, params) = like_accumulation(tmp.path(), &data, &out4, steps);
     let ring_share = steps as u64 * sprtrain::dist::allreduce_bytes(params as usize, 4, 4);
     let (sent, received) = (after.0 - before.0, after.1 - before.1);
     eprintln!("node 1's link: sent {sent} B, received {received} B; the ring needs {ring_share} B each way");

@@ -476,25 +476,39 @@ mod tests {
         (listening, peers)
     }
 
-    fn run_ring(n: usize, inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
-        let (listening, peers) = endpoints(n);
+    /// Connects rings of `listening.len()` ranks, one thread each, and returns what `each`
+    /// makes of every rank's ring, by rank.
+    fn on_every_rank<T: Send>(
+        listening: Vec<Listening>,
+        peers: &[Endpoint],
+        each: impl Fn(usize, Ring) -> T + Sync,
+    ) -> Vec<T> {
         std::thread::scope(|s| {
             let handles: Vec<_> = listening
                 .into_iter()
                 .enumerate()
                 .map(|(r, l)| {
-                    let peers = &peers;
+                    let each = &each;
                     s.spawn(move || {
-                        let ring = Ring::connect(l, r, peers, Duration::from_secs(20)).unwrap();
-                        let mut out = vec![0f32; inputs[r].len()];
-                        // Twice: a ring is reused for every bucket of every step.
-                        ring.allreduce_sum(&inputs[r], &mut out).unwrap();
-                        ring.allreduce_sum(&inputs[r], &mut out).unwrap();
-                        out
+                        each(
+                            r,
+                            Ring::connect(l, r, peers, Duration::from_secs(20)).unwrap(),
+                        )
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn run_ring(n: usize, inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let (listening, peers) = endpoints(n);
+        on_every_rank(listening, &peers, |r, ring| {
+            let mut out = vec![0f32; inputs[r].len()];
+            // Twice: a ring is reused for every bucket of every step.
+            ring.allreduce_sum(&inputs[r], &mut out).unwrap();
+            ring.allreduce_sum(&inputs[r], &mut out).unwrap();
+            out
         })
     }
 
@@ -503,31 +517,20 @@ mod tests {
     #[test]
     fn a_vanished_neighbour_is_an_error_naming_it() {
         let (listening, peers) = endpoints(2);
-        let err = std::thread::scope(|s| {
-            let handles: Vec<_> = listening
-                .into_iter()
-                .enumerate()
-                .map(|(r, l)| {
-                    let peers = &peers;
-                    s.spawn(move || {
-                        let ring = Ring::connect(l, r, peers, Duration::from_secs(20)).unwrap();
-                        if r == 1 {
-                            return None; // drops its connections
-                        }
-                        std::thread::sleep(Duration::from_millis(200));
-                        let send = vec![1f32; 1 << 20];
-                        let mut out = vec![0f32; 1 << 20];
-                        ring.allreduce_sum(&send, &mut out).err()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap())
-                .next()
-                .flatten()
-        })
-        .expect("the sum with a vanished neighbour succeeded");
+        let errors = on_every_rank(listening, &peers, |r, ring| {
+            if r == 1 {
+                return None; // drops its connections
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            let send = vec![1f32; 1 << 20];
+            let mut out = vec![0f32; 1 << 20];
+            ring.allreduce_sum(&send, &mut out).err()
+        });
+        let err = errors
+            .into_iter()
+            .next()
+            .flatten()
+            .expect("the sum with a vanished neighbour succeeded");
         let text = format!("{err:#}");
         assert!(text.contains("rank 0: "), "{text}");
         assert!(text.contains("rank 1 (testhost)"), "{text}");
@@ -544,25 +547,17 @@ mod tests {
         assert!(Endpoint::decode(b"node-a 70000 10.0.0.2").is_err());
         assert!(Endpoint::decode(b"node-a").is_err());
 
-        // A stranger connects first and says something else: rank 1 keeps waiting for rank 0.
-        let (mut listening, peers) = endpoints(2);
-        let l1 = listening.pop().unwrap();
-        let l0 = listening.pop().unwrap();
+        // A stranger connects first and says something else: rank 1 drops it and keeps
+        // waiting for rank 0.
+        let (listening, peers) = endpoints(2);
         let mut stray = TcpStream::connect((Ipv4Addr::LOCALHOST, peers[1].port)).unwrap();
         stray.write_all(&[0u8; 24]).unwrap();
-        std::thread::scope(|s| {
-            let a = s.spawn(|| Ring::connect(l0, 0, &peers, Duration::from_secs(20)));
-            let b = s.spawn(|| Ring::connect(l1, 1, &peers, Duration::from_secs(20)));
-            let (a, b) = (a.join().unwrap().unwrap(), b.join().unwrap().unwrap());
+        let inputs = [[10.0, 20.0, 30.0], [1.0, 2.0, 3.0]];
+        let outs = on_every_rank(listening, &peers, |r, ring| {
             let mut out = [0f32; 3];
-            let mut out_b = [0f32; 3];
-            std::thread::scope(|s2| {
-                let h = s2.spawn(|| b.allreduce_sum(&[1.0, 2.0, 3.0], &mut out_b).unwrap());
-                a.allreduce_sum(&[10.0, 20.0, 30.0], &mut out).unwrap();
-                h.join().unwrap();
-            });
-            assert_eq!(out, [11.0, 22.0, 33.0]);
-            assert_eq!(out_b, out);
+            ring.allreduce_sum(&inputs[r], &mut out).unwrap();
+            out
         });
+        assert_eq!(outs, [[11.0, 22.0, 33.0]; 2]);
     }
 }
