@@ -161,16 +161,16 @@ impl FlatParams {
         });
     }
 
-    /// Copies all parameters out (for a broadcast).
-    pub fn read_params(&self, into: &mut Vec<f32>) {
-        into.clear();
-        into.extend(Vec::<f32>::try_from(&self.params).unwrap_or_default());
-    }
-
-    /// Overwrites all parameters (after a broadcast).
-    pub fn write_params(&self, values: &[f32]) {
-        let mut p = self.params.shallow_clone();
-        tch::no_grad(|| p.copy_(&Tensor::from_slice(values)));
+    /// All parameters as one mutable slice, for a broadcast to write into in place (a copy
+    /// would touch another buffer of the model's size, whose fresh pages the kernel must
+    /// zero: a cost that then lands in the first steps).
+    ///
+    /// # Safety
+    /// No other slice of the parameters may be alive, and no libtorch op may use them, while
+    /// the returned slice is in use.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn params_mut(&self) -> &mut [f32] {
+        f32_slice_mut(&self.params, self.numel() as usize)
     }
 
     /// A range of the flat gradient as a mutable slice, for reductions to write into.

@@ -428,3 +428,27 @@ fn bf16_wire_sums_agree_within_rounding() {
         run_ok(cmd);
     }
 }
+
+/// The collectives that write in place, with the gradient sums on the TCP ring (loopback
+/// here), at 2 and 4 ranks: each rank checks its own results (`common::in_place_rank_check`).
+#[test]
+fn in_place_broadcast_and_ring_sums_are_exact() {
+    if std::env::var_os(common::IN_PLACE_RANK_CHECK).is_some() {
+        return common::in_place_rank_check();
+    }
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    for ranks in ["2", "4"] {
+        let mut cmd = Command::new(&mpirun);
+        cmd.args(["-n", ranks])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "in_place_broadcast_and_ring_sums_are_exact",
+                "--nocapture",
+            ])
+            .env(common::IN_PLACE_RANK_CHECK, "1");
+        run_ok(cmd);
+    }
+}

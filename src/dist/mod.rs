@@ -50,7 +50,8 @@ enum Job {
     /// Sum into `Destination`; the send buffer comes back for reuse.
     AllreduceInto(Vec<f32>, Destination, bool, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
-    BroadcastF32(Vec<f32>, Sender<Vec<f32>>),
+    /// Rank 0's values into `Destination` on every rank.
+    BroadcastInto(Destination, Sender<()>),
     AllGatherBytes(Vec<u8>, Sender<Vec<Vec<u8>>>),
     AllGatherF32(Vec<f32>, Sender<Vec<Vec<f32>>>),
     Abort(i32),
@@ -181,9 +182,12 @@ fn serve(comms: Comms, jobs: Receiver<Job>) {
                 world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
                 let _ = reply.send(recv);
             }
-            Job::BroadcastF32(mut buf, reply) => {
-                world.process_at_rank(0).broadcast_into(&mut buf[..]);
-                let _ = reply.send(buf);
+            Job::BroadcastInto(dst, reply) => {
+                // SAFETY: the requester holds this memory borrowed, untouched, until it gets
+                // the reply (see `Dist::broadcast_into`).
+                let buf = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
+                world.process_at_rank(0).broadcast_into(buf);
+                let _ = reply.send(());
             }
             Job::AllGatherBytes(bytes, reply) => {
                 let _ = reply.send(all_gather_varcount(world, &bytes));
@@ -456,12 +460,18 @@ impl Dist {
         self.call(what, |tx| Job::AllreduceF64(buf, tx))
     }
 
-    /// Rank 0's buffer on every rank.
-    pub fn broadcast(&self, what: &str, buf: Vec<f32>) -> Result<Vec<f32>> {
+    /// Overwrites `buf` with rank 0's values, in place, on every rank. `buf` stays borrowed
+    /// until the MPI thread is done with it: `call` returns only with its reply, or not at
+    /// all (the timeout ends the process).
+    pub fn broadcast_into(&self, what: &str, buf: &mut [f32]) -> Result<()> {
         if self.topo.world == 1 {
-            return Ok(buf);
+            return Ok(());
         }
-        self.call(what, |tx| Job::BroadcastF32(buf, tx))
+        let dst = Destination {
+            addr: buf.as_mut_ptr() as usize,
+            len: buf.len(),
+        };
+        self.call(what, |tx| Job::BroadcastInto(dst, tx))
     }
 
     /// Starts summing `send` over all ranks into `dst` and returns at once; the MPI thread
@@ -663,7 +673,9 @@ mod tests {
             d.allreduce_sum_f64("t", vec![1.0, 2.0]).unwrap(),
             vec![1.0, 2.0]
         );
-        assert_eq!(d.broadcast("t", vec![3.0]).unwrap(), vec![3.0]);
+        let mut buf = [3.0];
+        d.broadcast_into("t", &mut buf).unwrap();
+        assert_eq!(buf, [3.0]);
         d.check_same("config", &["a = 1".to_string()]).unwrap();
     }
 }

@@ -62,10 +62,8 @@ pub fn agree_and_broadcast(
         &fingerprint,
     )?;
     if dist.topo.world > 1 {
-        let mut weights = Vec::new();
-        flat.read_params(&mut weights);
-        let weights = dist.broadcast("initial parameters", weights)?;
-        flat.write_params(&weights);
+        // SAFETY: nothing else reads or writes the parameters until the broadcast returns.
+        dist.broadcast_into("initial parameters", unsafe { flat.params_mut() })?;
     }
     Ok(())
 }

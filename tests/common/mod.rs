@@ -405,6 +405,42 @@ pub fn rank_pid(config: &Path, rank: usize) -> Option<i32> {
 /// under mpirun): each rank then runs `bf16_wire_rank_check`.
 pub const BF16_RANK_CHECK: &str = "SPRTRAIN_TEST_BF16_WIRE_RANK";
 
+/// Set when a test binary runs itself under mpirun for `in_place_rank_check`.
+pub const IN_PLACE_RANK_CHECK: &str = "SPRTRAIN_IN_PLACE_RANK_CHECK";
+
+/// What each rank checks of the collectives that write in place, with the gradient sums on
+/// the TCP ring: `broadcast_into` leaves rank 0's values in every rank's buffer, and ring sums
+/// of integer-valued f32s (exact in any order) are the exact sums on every rank, for a buffer
+/// that does not divide evenly among the ranks.
+pub fn in_place_rank_check() {
+    use sprtrain::dist::{Dist, Transport};
+    let dist = Dist::init(60.0, Transport::Tcp).unwrap();
+    let (rank, world) = (dist.topo.rank, dist.topo.world);
+    assert!(world > 1, "launched without a world");
+    let mut buf = vec![rank as f32 + 0.5; 1_001];
+    dist.broadcast_into("broadcast check", &mut buf).unwrap();
+    assert!(
+        buf.iter().all(|&x| x == 0.5),
+        "rank {rank}: not rank 0's values"
+    );
+
+    let len = 1_000_003;
+    let value =
+        |r: usize, i: usize| ((r * 1_000 + i % 977) as f32) * if i % 2 == 0 { 1.0 } else { -1.0 };
+    let send: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+    let mut got = vec![0f32; len];
+    // SAFETY: `got` is used by nothing else until `wait` returns.
+    let pending = unsafe {
+        dist.start_allreduce_into("ring check".into(), send, &mut got, false)
+            .unwrap()
+    };
+    pending.wait(&dist).unwrap();
+    for (i, &g) in got.iter().enumerate() {
+        let exact: f32 = (0..world).map(|r| value(r, i)).sum();
+        assert_eq!(g, exact, "rank {rank} element {i}");
+    }
+}
+
 /// One rank's part: 100,003 values over six orders of magnitude, different on every rank,
 /// summed with bf16 on the wire. Every element is within bf16 rounding of the exact sum:
 /// each input rounds with relative error at most 2^-8 (bf16 keeps 8 significant bits), the
