@@ -412,6 +412,15 @@ fn bf16_wire_sums_agree_within_rounding() {
     if std::env::var_os(common::BF16_RANK_CHECK).is_some() {
         return common::bf16_wire_rank_check();
     }
+    each_rank_checks(
+        "bf16_wire_sums_agree_within_rounding",
+        common::BF16_RANK_CHECK,
+    );
+}
+
+/// Runs test `name` of this binary itself under `mpirun -n 2` and `-n 4`, with `marker` set
+/// so that every rank runs its own check; skips where there is no mpirun.
+fn each_rank_checks(name: &str, marker: &str) {
     let Some(mpirun) = require_mpirun() else {
         return;
     };
@@ -419,12 +428,8 @@ fn bf16_wire_sums_agree_within_rounding() {
         let mut cmd = Command::new(&mpirun);
         cmd.args(["-n", ranks])
             .arg(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "bf16_wire_sums_agree_within_rounding",
-                "--nocapture",
-            ])
-            .env(common::BF16_RANK_CHECK, "1");
+            .args(["--exact", name, "--nocapture"])
+            .env(marker, "1");
         run_ok(cmd);
     }
 }
@@ -436,19 +441,8 @@ fn in_place_broadcast_and_ring_sums_are_exact() {
     if std::env::var_os(common::IN_PLACE_RANK_CHECK).is_some() {
         return common::in_place_rank_check();
     }
-    let Some(mpirun) = require_mpirun() else {
-        return;
-    };
-    for ranks in ["2", "4"] {
-        let mut cmd = Command::new(&mpirun);
-        cmd.args(["-n", ranks])
-            .arg(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "in_place_broadcast_and_ring_sums_are_exact",
-                "--nocapture",
-            ])
-            .env(common::IN_PLACE_RANK_CHECK, "1");
-        run_ok(cmd);
-    }
+    each_rank_checks(
+        "in_place_broadcast_and_ring_sums_are_exact",
+        common::IN_PLACE_RANK_CHECK,
+    );
 }
