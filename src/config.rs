@@ -556,6 +556,12 @@ pub struct RuntimeConfig {
     /// The C allocator under libtorch: "auto" (tcmalloc where installed, else the system's),
     /// "tcmalloc", "jemalloc" or "system". sprtrain re-executes itself once with it preloaded.
     pub allocator: Allocator,
+    /// A word-embedding table that only the input lookup reads (classification, QA, token
+    /// classification, decoders with their own LM head): backward adds just the looked-up rows
+    /// into its gradient, and AdamW moves just the rows a step looked up, each row catching up
+    /// on the steps it missed when it is next used (the same values as updating every row
+    /// every step). false: every row every step, as torch does.
+    pub sparse_embedding_updates: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -565,6 +571,7 @@ impl Default for RuntimeConfig {
             threads: 0,
             seed: 42,
             allocator: Allocator::Auto,
+            sparse_embedding_updates: true,
         }
     }
 }

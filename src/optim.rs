@@ -229,7 +229,31 @@ pub struct AdamW {
     pub exp_avg_sq: Tensor,
     /// Optimizer steps taken.
     pub step: i64,
+    /// A table whose untouched rows wait (see [`LazyRows`]).
+    lazy: Option<LazyRows>,
+    /// The scalars of steps `history_from + 1 ..= step`, for rows that catch up.
+    history: Vec<FusedAdamW>,
+    history_from: i64,
 }
+
+/// The rows of a lookup table (a word embedding no output layer shares) that a step leaves
+/// alone while their gradient is zero. AdamW's update of a row whose gradient is zero depends
+/// only on that row's p, m, v and the step's scalars, so the missed steps can be replayed when
+/// the row is next read or next has a gradient, through the same kernel with a zero gradient:
+/// the very bits the dense pass would have written. Each step then moves the table's rows
+/// that its tokens looked up instead of all V of them (MiniLM's table is half its weights).
+struct LazyRows {
+    /// The table's first element in the flat buffers, its rows and their width.
+    offset: usize,
+    rows: usize,
+    width: usize,
+    decay: bool,
+    /// The optimizer step each row's parameters and moments are current through.
+    current: Vec<i64>,
+}
+
+/// Rows of one table handed to rayon at a time.
+const LAZY_ROWS_PER_TASK: usize = 256;
 
 impl AdamW {
     pub fn new(config: AdamWConfig, flat: &FlatParams) -> Self {
@@ -239,11 +263,108 @@ impl AdamW {
             exp_avg: buffers::lazy_zeros(flat.numel()),
             exp_avg_sq: buffers::lazy_zeros(flat.numel()),
             step: 0,
+            lazy: None,
+            history: Vec::new(),
+            history_from: 0,
         }
     }
 
-    /// The moments by the names torch's `state_dict` gives them, as checkpoints save them.
+    /// Updates the rows of `table` (one of `flat`'s parameters, (V, C)) lazily from now on:
+    /// only where the gradient is nonzero, the other rows catching up when [`AdamW::catch_up`]
+    /// or [`AdamW::settle`] asks. The caller promises that nothing but a lookup reads the table,
+    /// and calls `catch_up` with the ids before each lookup. Returns the table's name; None
+    /// when it is not one of `flat`'s parameters.
+    pub fn defer_untouched_rows(&mut self, flat: &FlatParams, table: &Tensor) -> Option<String> {
+        let found = flat.vars.iter().zip(&flat.slots).find(|(var, slot)| {
+            var.data_ptr() == table.data_ptr() && slot.shape.len() == 2 && slot.numel > 0
+        });
+        let (_, slot) = found?;
+        let rows = slot.shape[0] as usize;
+        self.lazy = Some(LazyRows {
+            offset: slot.offset as usize,
+            rows,
+            width: slot.shape[1] as usize,
+            decay: takes_weight_decay(&slot.name),
+            current: vec![self.step; rows],
+        });
+        self.history.clear();
+        self.history_from = self.step;
+        Some(slot.name.clone())
+    }
+
+    /// Brings the rows `ids` of the deferred table (all of them when None) up to the current
+    /// step, before something reads them; ids outside the table are left for the lookup to
+    /// refuse.
+    pub fn catch_up(&mut self, flat: &FlatParams, ids: Option<&[i64]>) {
+        let bufs = self.buffers(flat);
+        let Some(lazy) = self.lazy.as_mut() else {
+            return;
+        };
+        let step = self.step;
+        let stale: Vec<usize> = match ids {
+            Some(ids) => {
+                let mut rows: Vec<usize> = ids
+                    .iter()
+                    .filter_map(|&id| usize::try_from(id).ok())
+                    .filter(|&row| row < lazy.rows && lazy.current[row] < step)
+                    .collect();
+                rows.sort_unstable();
+                rows.dedup();
+                rows
+            }
+            None => (0..lazy.rows).filter(|&r| lazy.current[r] < step).collect(),
+        };
+        let (history, from) = (&self.history, self.history_from);
+        let (offset, width, decay) = (lazy.offset, lazy.width, lazy.decay);
+        let current = &lazy.current;
+        stale.par_chunks(LAZY_ROWS_PER_TASK).for_each(|rows| {
+            let mut zeros = vec![0.0f32; width];
+            for &row in rows {
+                // SAFETY: the rows are distinct (deduplicated) and within the table.
+                let (p, m, v, _) = unsafe { bufs.slices(offset + row * width, width) };
+                for k in &history[(current[row] - from) as usize..] {
+                    k.apply(p, m, v, &mut zeros, decay);
+                }
+            }
+        });
+        for row in stale {
+            lazy.current[row] = step;
+        }
+        if ids.is_none() {
+            self.history.clear();
+            self.history_from = step;
+        }
+    }
+
+    /// Every deferred row up to the current step, as a checkpoint, an evaluation or the final
+    /// model need them.
+    pub fn settle(&mut self, flat: &FlatParams) {
+        self.catch_up(flat, None);
+    }
+
+    /// The four flat buffers of `flat` and this optimizer.
+    fn buffers(&self, flat: &FlatParams) -> Buffers {
+        let n = flat.numel() as usize;
+        // SAFETY: four distinct, contiguous fp32 CPU tensors of n elements that this struct and
+        // `flat` own; callers use them while no libtorch op runs on them (the training thread
+        // is in the optimizer).
+        unsafe {
+            Buffers([
+                f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
+                f32_slice_mut(&self.exp_avg, n).as_mut_ptr() as usize,
+                f32_slice_mut(&self.exp_avg_sq, n).as_mut_ptr() as usize,
+                f32_slice_mut(&flat.grads, n).as_mut_ptr() as usize,
+            ])
+        }
+    }
+
+    /// The moments by the names torch's `state_dict` gives them, as checkpoints save them
+    /// (after [`AdamW::settle`]).
     pub fn moments(&self) -> [(String, Tensor); 2] {
+        debug_assert!(self
+            .lazy
+            .as_ref()
+            .is_none_or(|l| l.current.iter().all(|&c| c == self.step)));
         [
             ("exp_avg".to_string(), self.exp_avg.shallow_clone()),
             ("exp_avg_sq".to_string(), self.exp_avg_sq.shallow_clone()),
@@ -270,6 +391,11 @@ impl AdamW {
             })?;
         }
         self.step = step;
+        if let Some(lazy) = self.lazy.as_mut() {
+            lazy.current.fill(step);
+        }
+        self.history.clear();
+        self.history_from = step;
         Ok(())
     }
 
@@ -293,30 +419,71 @@ impl AdamW {
             eps: c.eps as f32,
             grad_scale,
         };
-        let n = flat.numel() as usize;
-        // SAFETY: the four buffers are distinct, contiguous fp32 CPU tensors of n elements that
-        // this struct and `flat` own; no libtorch op runs on them during the update (the
-        // training thread is here), and the chunks handed to rayon are disjoint.
-        let base = unsafe {
-            [
-                f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
-                f32_slice_mut(&self.exp_avg, n).as_mut_ptr() as usize,
-                f32_slice_mut(&self.exp_avg_sq, n).as_mut_ptr() as usize,
-                f32_slice_mut(&flat.grads, n).as_mut_ptr() as usize,
-            ]
+        if self.lazy.is_some() {
+            self.history.push(k);
+        }
+        let bufs = self.buffers(flat);
+        let lazy = self
+            .lazy
+            .as_ref()
+            .map_or(0..0, |l| l.offset..l.offset + l.rows * l.width);
+        flat.chunks
+            .par_iter()
+            .filter(|(start, _, _)| !lazy.contains(start))
+            .for_each(|&(start, len, decay)| {
+                // SAFETY: [start, start + len) is this chunk's alone.
+                let (p, m, v, g) = unsafe { bufs.slices(start, len) };
+                k.apply(p, m, v, g, decay);
+            });
+        let Some(lazy) = self.lazy.as_mut() else {
+            return;
         };
-        flat.chunks.par_iter().for_each(|&(start, len, decay)| {
-            // SAFETY: see above; [start, start + len) is this chunk's alone.
-            let (p, m, v, g) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut((base[0] as *mut f32).add(start), len),
-                    std::slice::from_raw_parts_mut((base[1] as *mut f32).add(start), len),
-                    std::slice::from_raw_parts_mut((base[2] as *mut f32).add(start), len),
-                    std::slice::from_raw_parts_mut((base[3] as *mut f32).add(start), len),
-                )
-            };
-            k.apply(p, m, v, g, decay);
-        });
+        // The table: rows with a gradient catch up on the steps they missed, then take this
+        // one; the others wait.
+        let (history, from, step) = (&self.history, self.history_from, self.step);
+        let (offset, width, decay) = (lazy.offset, lazy.width, lazy.decay);
+        lazy.current
+            .par_chunks_mut(LAZY_ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(block, current)| {
+                let mut zeros = vec![0.0f32; width];
+                for (i, row_step) in current.iter_mut().enumerate() {
+                    let row = block * LAZY_ROWS_PER_TASK + i;
+                    // SAFETY: each task has its own rows of the table.
+                    let (p, m, v, g) = unsafe { bufs.slices(offset + row * width, width) };
+                    // Bits, not values: a -0.0 is a gradient the dense pass would have seen.
+                    if g.iter().fold(0u32, |acc, x| acc | x.to_bits()) == 0 {
+                        continue;
+                    }
+                    let missed = &history[(*row_step - from) as usize..(step - 1 - from) as usize];
+                    for past in missed {
+                        past.apply(p, m, v, &mut zeros, decay);
+                    }
+                    k.apply(p, m, v, g, decay);
+                    *row_step = step;
+                }
+            });
+    }
+}
+
+/// Base addresses of the parameter, moment and gradient buffers, to hand disjoint ranges of
+/// them to rayon's threads.
+#[derive(Clone, Copy)]
+struct Buffers([usize; 4]);
+
+impl Buffers {
+    /// (p, m, v, g) over `[start, start + len)`.
+    ///
+    /// # Safety
+    /// The range lies within the buffers, and no other slice of it is alive meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slices(
+        &self,
+        start: usize,
+        len: usize,
+    ) -> (&mut [f32], &mut [f32], &mut [f32], &mut [f32]) {
+        let at = |i: usize| std::slice::from_raw_parts_mut((self.0[i] as *mut f32).add(start), len);
+        (at(0), at(1), at(2), at(3))
     }
 }
 
@@ -447,6 +614,22 @@ pub struct StepUpdate {
 }
 
 impl Optimizer {
+    /// Brings the rows of a lazily updated table that `ids` (any shape, int64) will look up
+    /// up to date (see [`AdamW::defer_untouched_rows`]).
+    pub fn catch_up(&mut self, ids: &Tensor) -> Result<()> {
+        if self.adamw.lazy.is_none() {
+            return Ok(());
+        }
+        let ids = Vec::<i64>::try_from(ids.flatten(0, -1)).context("token ids")?;
+        self.adamw.catch_up(&self.flat, Some(&ids));
+        Ok(())
+    }
+
+    /// Every lazily updated row up to date, for whatever reads all parameters next.
+    pub fn settle(&mut self) {
+        self.adamw.settle(&self.flat);
+    }
+
     /// Takes step `step` (0-based: the first step's learning rate is the schedule's at 0).
     pub fn step(&mut self, step: usize) -> StepUpdate {
         let grad_norm = self.flat.grad_norm();
@@ -568,6 +751,117 @@ mod tests {
         assert!((w.double_value(&[0]) - want[0]).abs() < 1e-6);
         // The step leaves the gradient zero for the next accumulation window.
         assert_eq!(Vec::<f32>::try_from(&flat.grads).unwrap(), [0.0; 3]);
+    }
+
+    /// A table updated lazily ends bit-identical to the same table updated densely, whatever
+    /// rows each step touches and reads: parameters when read and at the end, and both moments.
+    #[test]
+    fn lazy_rows_match_the_dense_update_bitwise() {
+        let (rows, width) = (40i64, 5i64);
+        let build = || {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let init = Tensor::arange(rows * width + 7, (Kind::Float, tch::Device::Cpu))
+                .sin()
+                .g_mul_scalar(0.1);
+            let root = vs.root();
+            let table = (&root / "embeddings" / "word_embeddings").var_copy(
+                "weight",
+                &init.narrow(0, 0, rows * width).view([rows, width]),
+            );
+            let _ = (&root / "head").var_copy("bias", &init.narrow(0, rows * width, 7));
+            let flat = FlatParams::new(&vs, |name| usize::from(name.starts_with("embeddings")));
+            (vs, flat, table)
+        };
+        let config = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let (_vs_d, dense_flat, _) = build();
+        let (_vs_l, lazy_flat, table) = build();
+        let mut dense = AdamW::new(config, &dense_flat);
+        let mut lazy = AdamW::new(config, &lazy_flat);
+        assert_eq!(
+            lazy.defer_untouched_rows(&lazy_flat, &table).as_deref(),
+            Some("embeddings.word_embeddings.weight")
+        );
+        let stranger = Tensor::zeros([3], (Kind::Float, tch::Device::Cpu));
+        assert!(dense.defer_untouched_rows(&dense_flat, &stranger).is_none());
+        let n = dense_flat.numel() as usize;
+        // The head's 7 first, then the table.
+        assert_eq!(lazy_flat.slots[1].name, "embeddings.word_embeddings.weight");
+        let offset = lazy_flat.slots[1].offset as usize;
+        for step in 0..30usize {
+            // Rows 3k + step % 3 get a gradient at this step, and row 39 only at step 25.
+            let mut grad = vec![0.0f32; n];
+            for (i, g) in grad.iter_mut().enumerate().take(offset) {
+                *g = ((i + step) as f32).cos();
+            }
+            for row in (step % 3..rows as usize - 1).step_by(3) {
+                for c in 0..width as usize {
+                    grad[offset + row * width as usize + c] = ((row * 7 + c + step) as f32).sin();
+                }
+            }
+            if step == 25 {
+                grad[offset + 39 * width as usize] = 2.0;
+            }
+            let g = Tensor::from_slice(&grad);
+            for flat in [&dense_flat, &lazy_flat] {
+                let mut grads = flat.grads.shallow_clone();
+                tch::no_grad(|| grads.copy_(&g));
+            }
+            let (lr, scale) = (
+                1e-2 * (1.0 + step as f64 / 10.0),
+                if step % 4 == 0 { 0.5 } else { 1.0 },
+            );
+            dense.step(&dense_flat, lr, scale);
+            lazy.step(&lazy_flat, lr, scale);
+            // Reading some rows brings exactly those up to date.
+            let read = [0i64, 5, (step as i64 * 7) % rows, 17];
+            lazy.catch_up(&lazy_flat, Some(&read));
+            let (d, l) = (
+                Vec::<f32>::try_from(&dense_flat.params).unwrap(),
+                Vec::<f32>::try_from(&lazy_flat.params).unwrap(),
+            );
+            for &row in &read {
+                let at = offset + row as usize * width as usize;
+                let span = at..at + width as usize;
+                assert_eq!(d[span.clone()], l[span], "step {step}: row {row}");
+            }
+            assert_eq!(
+                d[..offset],
+                l[..offset],
+                "step {step}: the dense parameters"
+            );
+        }
+        // Something waited: without settling, the rows differ somewhere.
+        assert_ne!(
+            Vec::<f32>::try_from(&dense_flat.params).unwrap(),
+            Vec::<f32>::try_from(&lazy_flat.params).unwrap()
+        );
+        lazy.settle(&lazy_flat);
+        let all = |f: &FlatParams, o: &AdamW| {
+            [&f.params, &o.exp_avg, &o.exp_avg_sq, &f.grads]
+                .map(|t| Vec::<f32>::try_from(t).unwrap())
+        };
+        let (d, l) = (all(&dense_flat, &dense), all(&lazy_flat, &lazy));
+        for (what, (d, l)) in ["params", "exp_avg", "exp_avg_sq", "grads"]
+            .iter()
+            .zip(d.iter().zip(&l))
+        {
+            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(d), bits(l), "{what}");
+        }
+        // Resuming puts every row at the restored step.
+        let saved: BTreeMap<String, Tensor> = lazy.moments().into_iter().collect();
+        lazy.restore(&saved, 30, std::path::Path::new("saved"))
+            .unwrap();
+        lazy.settle(&lazy_flat);
+        assert_eq!(
+            Vec::<f32>::try_from(&lazy_flat.params).unwrap(),
+            all(&dense_flat, &dense)[0]
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ use common::{
     write_sentences, RunConfig,
 };
 use serde_json::Value;
+use sprtrain::models::weights::read_safetensors;
 
 /// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
 fn tiny_model() -> PathBuf {
@@ -109,6 +110,65 @@ fn resume_continues_exactly() {
     );
     // The losses moved: the check is not comparing constants.
     assert!(a.iter().any(|x| (x.1 - a[0].1).abs() > 1e-3), "{a:?}");
+}
+
+/// Sparse embedding gradients with lazily updated rows (the default) train as the dense
+/// update does, bit for bit: 12 steps of one micro-batch, with no checkpoint or evaluation
+/// bringing the rows up to date on the way. (With accumulation, a sparse gradient adds a
+/// micro-batch's rows into the sum one by one, the dense one as a (V, C) tensor: the same
+/// values up to rounding, and `resume_continues_exactly` trains that way.)
+#[test]
+fn lazy_embedding_rows_train_as_dense_updates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let mut runs = Vec::new();
+    for sparse in [true, false] {
+        let out = tmp.path().join(format!("sparse-{sparse}"));
+        let config = run_config(&data, &out)
+            .set("train.max_steps", 12)
+            .set("train.gradient_accumulation_steps", 1)
+            .set("train.save_steps", 0)
+            .set("eval.strategy", "no")
+            .set("runtime.sparse_embedding_updates", sparse);
+        let stderr = ok(run(&[
+            "--config",
+            write(tmp.path(), &out, config).to_str().unwrap(),
+        ]));
+        assert_eq!(
+            stderr.contains("bert.embeddings.word_embeddings.weight: sparse gradient"),
+            sparse,
+            "{stderr}"
+        );
+        runs.push((train_losses(&out), weight_values(&out)));
+    }
+    let ((lazy_losses, lazy), (dense_losses, dense)) = (&runs[0], &runs[1]);
+    assert_eq!(lazy_losses.len(), 12);
+    assert_eq!(lazy_losses, dense_losses);
+    let mut moved = 0.0f32;
+    for ((name, a), (_, b)) in lazy.iter().zip(dense) {
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= 1e-6 * y.abs().max(1e-2),
+                "{name}: {x} vs {y}"
+            );
+        }
+        if name == "bert.embeddings.word_embeddings.weight" {
+            let before = (1..=3)
+                .flat_map(|k| {
+                    let shard = tiny_model().join(format!("model-0000{k}-of-00003.safetensors"));
+                    read_safetensors(&shard).unwrap()
+                })
+                .find(|(n, _)| n == name)
+                .map(|(_, t)| Vec::<f32>::try_from(t.view([-1])).unwrap())
+                .unwrap();
+            moved = a
+                .iter()
+                .zip(&before)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+        }
+    }
+    assert!(moved > 1e-4, "the word embeddings did not train: {moved}");
 }
 
 /// A checkpoint loads in transformers 5.23.0 with no missing or unexpected keys and gives the

@@ -96,6 +96,10 @@ impl BertEmbeddings {
     pub fn word_embeddings(&self) -> &Tensor {
         &self.word_embeddings.weight
     }
+
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.word_embeddings
+    }
 }
 
 /// `BertLayer`: `attention.self.{query,key,value}`, `attention.output.{dense,LayerNorm}`,

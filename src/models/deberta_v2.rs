@@ -142,6 +142,10 @@ impl DebertaEmbeddings {
     pub fn word_embeddings(&self) -> &Tensor {
         &self.word_embeddings.weight
     }
+
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.word_embeddings
+    }
 }
 
 /// `(B, T, C)` -> `(B * H, T, D)`, as `transpose_for_scores`.

@@ -75,6 +75,10 @@ impl DistilBertEmbeddings {
     pub fn word_embeddings(&self) -> &Tensor {
         &self.word_embeddings.weight
     }
+
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.word_embeddings
+    }
 }
 
 /// `TransformerBlock`: `attention.{q_lin,k_lin,v_lin,out_lin}`, `sa_layer_norm`,

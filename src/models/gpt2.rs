@@ -117,6 +117,10 @@ impl Gpt2Model {
         &self.wte.weight
     }
 
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.wte
+    }
+
     /// The final hidden state (B, T, C); with `boundaries`, cut at each block's input.
     pub fn forward_staged(
         &self,

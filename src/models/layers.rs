@@ -402,6 +402,11 @@ pub struct Embedding {
     pub weight: Tensor, // (V, C)
     /// -1 when there is no padding row (libtorch's convention).
     padding_idx: i64,
+    /// Backward yields the looked-up rows only (a sparse gradient, which AccumulateGrad adds
+    /// into a dense `.grad` row by row) instead of a (V, C) tensor of mostly zeros. Off by
+    /// default, as `nn.Embedding(sparse=False)`: with no dense `.grad` bound, `.grad` would be
+    /// sparse.
+    pub sparse_grad: bool,
 }
 
 impl Embedding {
@@ -415,6 +420,7 @@ impl Embedding {
         Embedding {
             weight,
             padding_idx: padding_idx.unwrap_or(-1),
+            sparse_grad: false,
         }
     }
 
@@ -424,11 +430,12 @@ impl Embedding {
         Embedding {
             weight,
             padding_idx: -1,
+            sparse_grad: false,
         }
     }
 
     pub fn forward(&self, ids: &Tensor) -> Tensor {
-        Tensor::embedding(&self.weight, ids, self.padding_idx, false, false)
+        Tensor::embedding(&self.weight, ids, self.padding_idx, false, self.sparse_grad)
     }
 }
 

@@ -235,6 +235,10 @@ impl LlamaModel {
         &self.embed_tokens.weight
     }
 
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.embed_tokens
+    }
+
     /// The final hidden state (B, T, C); with `boundaries`, cut at each layer's input.
     pub fn forward_staged(
         &self,

@@ -26,7 +26,7 @@ use distilbert::DistilBertEncoder;
 use gpt2::Gpt2Model;
 pub use hf_config::{Activation, Arch, HfConfig, ProblemType};
 pub use layers::KvCache;
-use layers::{activate, dropout, LayerNorm, Linear};
+use layers::{activate, dropout, Embedding, LayerNorm, Linear};
 use llama::LlamaModel;
 use modernbert::{ModernBertModel, PredictionHead};
 
@@ -154,6 +154,17 @@ enum Backbone {
 }
 
 impl Backbone {
+    fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        match self {
+            Backbone::Bert { encoder, .. } => encoder.embeddings.word_embeddings_mut(),
+            Backbone::DistilBert(e) => e.embeddings.word_embeddings_mut(),
+            Backbone::Deberta { encoder, .. } => encoder.embeddings.word_embeddings_mut(),
+            Backbone::ModernBert(m) => m.word_embeddings_mut(),
+            Backbone::Gpt2(m) => m.word_embeddings_mut(),
+            Backbone::Llama(m) => m.word_embeddings_mut(),
+        }
+    }
+
     fn word_embeddings(&self) -> &Tensor {
         match self {
             Backbone::Bert { encoder, .. } => encoder.embeddings.word_embeddings(),
@@ -481,6 +492,25 @@ impl TaskModel {
             backbone,
             head_layers,
         })
+    }
+
+    /// For training: the trainable word-embedding table (V, C) when nothing but the input
+    /// lookup reads it (no masked-LM or LM head shares it), after making its gradient sparse
+    /// (the looked-up rows only, see [`Embedding::sparse_grad`]); its rows then change only
+    /// where a step's tokens looked them up, which lets the optimizer update them lazily.
+    /// None for tied tables and frozen ones.
+    pub fn sparse_lookup_table(&mut self) -> Option<Tensor> {
+        let shared = match &self.head_layers {
+            HeadLayers::Mlm(m) => m.untied_decoder.is_none(),
+            HeadLayers::CausalLm { untied } => untied.is_none(),
+            _ => false,
+        };
+        let table = self.backbone.word_embeddings_mut();
+        if shared || !table.weight.requires_grad() {
+            return None;
+        }
+        table.sparse_grad = true;
+        Some(table.weight.shallow_clone())
     }
 
     /// The transformers class this model mirrors, e.g. `BertForQuestionAnswering`.

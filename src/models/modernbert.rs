@@ -151,6 +151,10 @@ impl ModernBertModel {
         &self.tok_embeddings.weight
     }
 
+    pub fn word_embeddings_mut(&mut self) -> &mut Embedding {
+        &mut self.tok_embeddings
+    }
+
     /// The last hidden state (after `final_norm`), (B, T, C); with `boundaries`, cut at every
     /// layer's input.
     pub fn forward_staged(

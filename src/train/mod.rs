@@ -231,13 +231,22 @@ impl<'a> Trainer<'a> {
             fresh: resume_dir.is_none(),
             random,
         };
-        let p = prepare(config, dist, data, source, false)?;
+        let mut p = prepare(config, dist, data, source, false)?;
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
         let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
         agree_and_broadcast(dist, config, &flat, p.train.len())?;
         let sync = GradSync::new(&flat, &p.model, config);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
+        if config.runtime.sparse_embedding_updates {
+            let table = p.model.sparse_lookup_table();
+            let deferred = table.and_then(|t| opt.adamw.defer_untouched_rows(&opt.flat, &t));
+            if let (true, Some(name)) = (root, deferred) {
+                tracing::info!(
+                    "{name}: sparse gradient; a step updates the rows it looked up, the others when next used (runtime.sparse_embedding_updates)"
+                );
+            }
+        }
         startup::mark("optimizer");
         let layout = opt.flat.layout();
         let mut state = match &resume_dir {
@@ -357,6 +366,7 @@ impl<'a> Trainer<'a> {
             // The last micro-batch of a step, with several processes, runs backward stage by
             // stage so each gradient bucket leaves as soon as it is complete.
             let staged = distributed && m + 1 == micro.len();
+            self.opt.catch_up(&inputs.input_ids)?;
             let (output, boundaries) = if staged {
                 self.model.forward_staged(&inputs, true)
             } else {
@@ -452,12 +462,16 @@ impl<'a> Trainer<'a> {
             EvalStrategy::Epoch => epoch_done,
             EvalStrategy::No => false,
         };
+        if eval_now || last {
+            self.opt.settle();
+        }
         let evaluated = (eval_now || last) && self.evaluate(epoch)?;
         let save_now = (tc.save_steps > 0 && step % tc.save_steps == 0)
             || last
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
         if self.dist.is_root() && save_now {
+            self.opt.settle();
             self.save_checkpoint()?;
         }
         Ok(())
@@ -643,6 +657,7 @@ impl<'a> Trainer<'a> {
     /// the plot; every rank reports.
     fn finish(mut self) -> Result<Summary> {
         self.progress.finish();
+        self.opt.settle();
         let root = self.dist.is_root();
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
