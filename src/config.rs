@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::dist::Transport;
 use crate::models::{Head, ProblemType};
 use crate::sysinfo::CpuInfo;
 
@@ -114,14 +115,6 @@ pub enum ReduceDtype {
     Bf16,
 }
 
-/// How gradient sums travel between processes (`dist.transport`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GradientTransport {
-    Mpi,
-    Tcp,
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DistConfig {
@@ -138,7 +131,7 @@ pub struct DistConfig {
     /// TCP connections of sprtrain's own with blocking sockets, as Gloo: it waits without
     /// MPI's busy polling, which takes CPU from training where a node has no core to spare;
     /// SPRTRAIN_SOCKET_IFNAME picks its interface). bf16 sums and the rest stay on MPI.
-    pub transport: GradientTransport,
+    pub transport: Transport,
 }
 
 impl Default for DistConfig {
@@ -148,7 +141,7 @@ impl Default for DistConfig {
             reduce_dtype: ReduceDtype::Fp32,
             collective_timeout_s: 300.0,
             pin_threads: true,
-            transport: GradientTransport::Mpi,
+            transport: Transport::Mpi,
         }
     }
 }

@@ -101,8 +101,9 @@ fn launched_by_mpi() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
-/// How fp32 gradient sums travel between processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How fp32 gradient sums travel between processes (`dist.transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// The MPI library's allreduce.
     Mpi,

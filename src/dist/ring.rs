@@ -332,8 +332,9 @@ impl Ring {
         // Step t sends chunk (rank - t) and receives chunk (rank - t - 1), mod n: the first
         // n - 1 steps add what arrives to this rank's own values (reduce-scatter; after them
         // chunk rank + 1 is complete here), the last n - 1 copy complete chunks (all-gather).
-        let sent_at = |t: usize| (rank + n * steps - t) % n;
-        let received_at = |t: usize| (rank + n * steps - t - 1) % n;
+        // (t + 1 <= steps < 2n, so adding 2n keeps the differences non-negative.)
+        let sent_at = |t: usize| (rank + 2 * n - t) % n;
+        let received_at = |t: usize| (rank + 2 * n - t - 1) % n;
         let lock = |c: usize| chunks[c].lock().unwrap_or_else(|e| e.into_inner());
         let ranges = &ranges;
         let lock = &lock;

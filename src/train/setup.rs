@@ -11,7 +11,7 @@ use crate::checkpoint;
 use crate::config::{Config, Precision};
 use crate::data::batching::Feature;
 use crate::data::masking::Masking;
-use crate::dist::{Dist, Transport};
+use crate::dist::Dist;
 use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::hub;
 use crate::models::{self, layers::AutocastGuard, lora, Head, HfConfig, TaskModel};
@@ -271,11 +271,7 @@ pub fn on_every_rank<T>(
     config: &crate::config::DistConfig,
     job: impl FnOnce(&Dist) -> Result<T>,
 ) -> Result<T> {
-    let transport = match config.transport {
-        crate::config::GradientTransport::Mpi => Transport::Mpi,
-        crate::config::GradientTransport::Tcp => Transport::Tcp,
-    };
-    let dist = Dist::init(config.collective_timeout_s, transport)?;
+    let dist = Dist::init(config.collective_timeout_s, config.transport)?;
     let _rank =
         (dist.topo.world > 1).then(|| tracing::info_span!("rank", r = dist.topo.rank).entered());
     match job(&dist) {
