@@ -462,16 +462,12 @@ impl<'a> Trainer<'a> {
             EvalStrategy::Epoch => epoch_done,
             EvalStrategy::No => false,
         };
-        if eval_now || last {
-            self.opt.settle();
-        }
         let evaluated = (eval_now || last) && self.evaluate(epoch)?;
         let save_now = (tc.save_steps > 0 && step % tc.save_steps == 0)
             || last
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
         if self.dist.is_root() && save_now {
-            self.opt.settle();
             self.save_checkpoint()?;
         }
         Ok(())
@@ -482,6 +478,7 @@ impl<'a> Trainer<'a> {
     /// (log, metrics.jsonl) and training goes on.
     fn save_checkpoint(&mut self) -> Result<()> {
         let (tc, step) = (&self.config.train, self.state.global_step);
+        self.opt.settle(); // lazily updated rows, up to this step
         let saved = checkpoint::save_checkpoint(
             &self.out,
             &self.files(),
@@ -541,6 +538,7 @@ impl<'a> Trainer<'a> {
         let Some(set) = self.eval.as_deref() else {
             return Ok(false);
         };
+        self.opt.settle(); // lazily updated rows, up to this step
         let options = EvalOptions::new(self.config, Some(&self.out));
         let mut metrics = evaluate(&self.model, set, &options, self.dist)?;
         let mut record = json!({"step": self.state.global_step, "epoch": epoch});
@@ -657,7 +655,6 @@ impl<'a> Trainer<'a> {
     /// the plot; every rank reports.
     fn finish(mut self) -> Result<Summary> {
         self.progress.finish();
-        self.opt.settle();
         let root = self.dist.is_root();
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
@@ -688,6 +685,7 @@ impl<'a> Trainer<'a> {
             }
         }
         if root {
+            self.opt.settle();
             checkpoint::save_final(&self.out, &self.files())?;
             if !self.final_eval.is_empty() {
                 write_eval_results(&self.out, &self.final_eval)?;
