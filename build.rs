@@ -1,4 +1,5 @@
-//! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp) and the optimizer's
+//! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp), the linear layers that
+//! accumulate their weight gradients in place (src/models/linear_grad.cpp) and the optimizer's
 //! buffer helpers (src/optim_buffers.cpp) against libtorch,
 //! embeds an rpath to libtorch's lib directory so the binary runs without LD_LIBRARY_PATH and
 //! without an activated venv, and records the libtorch version for `sprtrain env`.
@@ -15,6 +16,8 @@ fn main() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
 
     println!("cargo:rerun-if-changed=src/models/seeded.cpp");
+    println!("cargo:rerun-if-changed=src/models/linear_grad.cpp");
+    println!("cargo:rerun-if-changed=src/models/ffi.h");
     println!("cargo:rerun-if-changed=src/optim_buffers.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
@@ -36,6 +39,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .flag_if_supported("-Wno-unused-parameter")
         .file("src/models/seeded.cpp")
+        .file("src/models/linear_grad.cpp")
         .file("src/optim_buffers.cpp")
         .compile("sprtrain_seeded");
 

@@ -40,7 +40,7 @@ fn next_dropout_seed() -> i64 {
 /// Dropout with its mask drawn from `seed` (element i kept when a hash of (seed, i) says so),
 /// regenerated in backward rather than kept.
 pub fn seeded_dropout(x: &Tensor, p: f64, seed: i64) -> Tensor {
-    seeded::dropout(x, p, seed)
+    kernels::dropout(x, p, seed)
 }
 
 /// Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where `key_mask` (B, 1,
@@ -75,13 +75,14 @@ pub fn seeded_attention_with(
     seed: i64,
     batched_up_to: i64,
 ) -> Tensor {
-    seeded::attention(q, k, v, key_mask, p, seed, batched_up_to)
+    kernels::attention(q, k, v, key_mask, p, seed, batched_up_to)
 }
 
-/// The kernels of src/models/seeded.cpp: dropout and attention whose backward regenerates
-/// the dropout mask from its seed (and recomputes attention probabilities) instead of
-/// keeping them.
-mod seeded {
+/// The C++ units' entry points: src/models/seeded.cpp's dropout and attention, whose backward
+/// regenerates the dropout mask from its seed (and recomputes attention probabilities) instead
+/// of keeping them, and src/models/linear_grad.cpp's linear layers, whose backward adds the
+/// weight gradients into the weights' `.grad` itself.
+mod kernels {
     use std::ffi::{c_char, CStr};
 
     use tch::Tensor;
@@ -102,6 +103,14 @@ mod seeded {
             p: f64,
             seed: i64,
             batched_up_to: i64,
+            error: *mut *mut c_char,
+        ) -> *mut C_tensor;
+        fn sprtrain_accumulating_linear(
+            x: *const C_tensor,
+            weights: *const *const C_tensor,
+            n_weights: usize,
+            biases: *const *const C_tensor,
+            n_biases: usize,
             error: *mut *mut c_char,
         ) -> *mut C_tensor;
         fn sprtrain_free_error(error: *mut c_char);
@@ -154,6 +163,25 @@ mod seeded {
         };
         wrap(out, error, "seeded attention")
     }
+
+    /// `x @ cat(weights).T + cat(biases)` (no biases, or one per weight).
+    pub fn accumulating_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Tensor {
+        let weights: Vec<*const C_tensor> = weights.iter().map(|w| w.as_ptr()).collect();
+        let biases: Vec<*const C_tensor> = biases.iter().map(|b| b.as_ptr()).collect();
+        let mut error = std::ptr::null_mut();
+        // SAFETY: as for dropout; the pointer arrays outlive the call.
+        let out = unsafe {
+            sprtrain_accumulating_linear(
+                x.as_ptr(),
+                weights.as_ptr(),
+                weights.len(),
+                biases.as_ptr(),
+                biases.len(),
+                &mut error,
+            )
+        };
+        wrap(out, error, "linear layer")
+    }
 }
 
 /// Restores the previous autocast state when dropped.
@@ -180,11 +208,27 @@ pub fn autocast_kind() -> Option<Kind> {
 
 /// `x @ w.T + b`, in the autocast dtype when one is in force.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let biases: Vec<&Tensor> = b.into_iter().collect();
+    linear_of_parts(x, &[w], &biases)
+}
+
+/// `x @ cat(weights).T + cat(biases)`: several layers of one input as one product (no biases,
+/// or one per weight). In fp32 the backward adds each weight's gradient into its `.grad` with
+/// the gradient GEMM itself (src/models/linear_grad.cpp) rather than returning it for
+/// autograd to add: with `.grad` bound to the flat buffer, that addition was a pass over every
+/// weight's gradient each micro-step. Under autocast the weights are cast per call and their
+/// gradients go back through the cast.
+fn linear_of_parts(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Tensor {
     match autocast_kind() {
-        Some(k) => x
-            .to_kind(k)
-            .linear(&w.to_kind(k), b.map(|b| b.to_kind(k)).as_ref()),
-        None => x.linear(w, b),
+        Some(k) => {
+            let cat = |ts: &[&Tensor]| match ts {
+                [t] => t.to_kind(k),
+                ts => Tensor::cat(ts, 0).to_kind(k),
+            };
+            let b = (!biases.is_empty()).then(|| cat(biases));
+            x.to_kind(k).linear(&cat(weights), b.as_ref())
+        }
+        None => kernels::accumulating_linear(x, weights, biases),
     }
 }
 
@@ -331,10 +375,9 @@ impl RmsNorm {
 /// Returns each layer's (B, T, out) output, LoRA updates included.
 pub fn fused_projection(x: &Tensor, layers: &[&Linear], train: bool) -> Vec<Tensor> {
     let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
-    let w = Tensor::cat(&weights, 0); // (sum of outs, C)
-    let biases: Option<Vec<&Tensor>> = layers.iter().map(|l| l.bias.as_ref()).collect();
-    let b = biases.map(|b| Tensor::cat(&b, 0));
-    let fused = linear(x, &w, b.as_ref()); // (B, T, sum of outs)
+    // The layers of one projection have biases alike (all of q/k/v, or none).
+    let biases: Vec<&Tensor> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
+    let fused = linear_of_parts(x, &weights, &biases); // (B, T, sum of outs)
     let sizes: Vec<i64> = layers.iter().map(|l| l.weight.size()[0]).collect();
     let parts = fused.split_with_sizes(sizes, -1);
     // LoRA updates apply to their own layer's share.
@@ -641,5 +684,106 @@ impl KvCache {
         };
         self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
         merged
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::FlatParams;
+    use tch::Device;
+
+    fn leaf(dims: &[i64]) -> Tensor {
+        Tensor::randn(dims, (Kind::Float, Device::Cpu)).set_requires_grad(true)
+    }
+
+    fn copy(t: &Tensor) -> Tensor {
+        t.detach().copy().set_requires_grad(true)
+    }
+
+    /// `linear_of_parts` on x (2, 5, 8) and two layers (3 and 4 outputs), backward twice,
+    /// against autograd's gradients of the plain product of copies: each gradient must come out
+    /// twice autograd's. Tolerance 1e-4: fp32 sums of 8-term products of N(0, 1) values over
+    /// 10 rows, added in another order.
+    fn check_two_backwards(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) {
+        let dy = Tensor::randn([2, 5, 7], (Kind::Float, Device::Cpu));
+        let (xr, wr, br) = (
+            copy(x),
+            weights.iter().map(|w| copy(w)).collect::<Vec<_>>(),
+            biases.iter().map(|b| copy(b)).collect::<Vec<_>>(),
+        );
+        let b = (!br.is_empty()).then(|| Tensor::cat(&br, 0));
+        let yr = xr.linear(&Tensor::cat(&wr, 0), b.as_ref());
+        (&yr * &dy).sum(Kind::Float).backward();
+        for _ in 0..2 {
+            let y = linear_of_parts(x, weights, biases);
+            assert!(f64::try_from((&y - &yr).abs().max()).unwrap() < 1e-5);
+            (&y * &dy).sum(Kind::Float).backward();
+        }
+        let ours = std::iter::once(x)
+            .chain(weights.iter().copied())
+            .chain(biases.iter().copied());
+        let theirs = std::iter::once(&xr).chain(&wr).chain(&br);
+        for (i, (ours, theirs)) in ours.zip(theirs).enumerate() {
+            let d = f64::try_from((ours.grad() - theirs.grad() * 2.0).abs().max()).unwrap();
+            assert!(
+                d < 1e-4,
+                "input {i} of [x, weights, biases]: gradient differs by {d:e}"
+            );
+        }
+    }
+
+    /// Without a `.grad` (the first backward) the gradients go back through autograd; after
+    /// it, the backward GEMM adds each weight's share into its own `.grad`.
+    #[test]
+    fn weight_gradients_accumulate_in_place_as_autograd_adds_them() {
+        tch::manual_seed(0);
+        let (w1, w2, b1, b2) = (leaf(&[3, 8]), leaf(&[4, 8]), leaf(&[3]), leaf(&[4]));
+        check_two_backwards(&leaf(&[2, 5, 8]), &[&w1, &w2], &[&b1, &b2]);
+
+        // Frozen weights (LoRA's base layers) get none; the input still does.
+        let frozen = [2, 3].map(|o| Tensor::randn([o, 8], (Kind::Float, Device::Cpu)));
+        for layers in [&frozen[..1], &frozen[..]] {
+            let x = leaf(&[2, 5, 8]);
+            let layers: Vec<&Tensor> = layers.iter().collect();
+            linear_of_parts(&x, &layers, &[])
+                .sum(Kind::Float)
+                .backward();
+            assert!(
+                layers.iter().all(|w| !w.grad().defined()),
+                "a frozen weight got a gradient"
+            );
+            let expected = Tensor::cat(&layers, 0).sum_dim_intlist(0, false, Kind::Float);
+            let d = f64::try_from((x.grad() - expected).abs().max()).unwrap();
+            assert!(
+                d < 1e-5,
+                "input gradient through frozen layers differs by {d:e}"
+            );
+        }
+    }
+
+    /// With `.grad`s bound to the flat buffer: weights whose gradients lie side by side take
+    /// one product into both; with biases between them, one product each.
+    #[test]
+    fn weight_gradients_accumulate_into_the_flat_buffer() {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let (a, b) = (
+            normal_var(&root, "a", &[3, 8], 1.0),
+            normal_var(&root, "b", &[4, 8], 1.0),
+        );
+        let lin = Linear::new(&root / "lin", 8, 3, 1.0);
+        let lin2 = Linear::new(&root / "lin2", 8, 4, 1.0);
+        let flat = FlatParams::new(&vs, |_| 0);
+        assert_eq!(
+            a.grad().data_ptr() as usize + 3 * 8 * 4,
+            b.grad().data_ptr() as usize,
+            "the test needs a's and b's gradients adjacent"
+        );
+        check_two_backwards(&leaf(&[2, 5, 8]), &[&a, &b], &[]);
+        let biases = [lin.bias.as_ref().unwrap(), lin2.bias.as_ref().unwrap()];
+        check_two_backwards(&leaf(&[2, 5, 8]), &[&lin.weight, &lin2.weight], &biases);
+        drop(flat);
     }
 }

@@ -18,7 +18,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
+
+#include "ffi.h"
 
 namespace {
 
@@ -248,33 +249,13 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   }
 };
 
-char* copy_message(const char* what) {
-  const size_t n = std::strlen(what) + 1;
-  char* s = static_cast<char*>(std::malloc(n));
-  if (s != nullptr) std::memcpy(s, what, n);
-  return s;
-}
-
-template <typename F>
-at::Tensor* guarded(char** error, F f) {
-  *error = nullptr;
-  try {
-    return new at::Tensor(f());
-  } catch (const std::exception& e) {
-    *error = copy_message(e.what());
-  } catch (...) {
-    *error = copy_message("unknown C++ exception");
-  }
-  return nullptr;
-}
-
 }  // namespace
 
 extern "C" {
 
 // Dropout of x with probability p (0 <= p < 1), the mask drawn from `seed`.
 at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed, char** error) {
-  return guarded(error, [&] { return SeededDropout::apply(*x, p, seed); });
+  return sprtrain_ffi::guarded(error, [&] { return SeededDropout::apply(*x, p, seed); });
 }
 
 // Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where key_mask (B, 1, 1,
@@ -284,7 +265,7 @@ at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed,
 at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
                                       const at::Tensor* v, const at::Tensor* key_mask, double p,
                                       int64_t seed, int64_t batched_up_to, char** error) {
-  return guarded(error, [&] {
+  return sprtrain_ffi::guarded(error, [&] {
     const int64_t b = key_mask->size(0), t = key_mask->size(-1);
     // One row of key bias for all queries, or one row per query (causal masks).
     const int64_t rows = key_mask->dim() == 4 ? key_mask->size(2) : 1;

@@ -1,0 +1,179 @@
+// Linear layers whose backward adds each weight's gradient straight into the weight's .grad
+// (one GEMM with beta = 1) instead of returning it for autograd's AccumulateGrad to add: the
+// "gradient accumulation fusion" of Megatron-LM, on CPU. sprtrain binds every parameter's
+// .grad to a view of one flat buffer, so AccumulateGrad's `grad += new` is a pass over every
+// weight's gradient each micro-step (a read of both and a write, plus a temporary the size of
+// the weight): at Llama-125M's 512-row GEMMs that pass is a few percent of a step.
+//
+// Several layers of one input (query/key/value, gate/up) run as one product of their
+// concatenated weights; each layer's gradient is a slice of the output gradient, accumulated
+// into that layer's own .grad. Where a weight has no usable .grad (not a leaf, no .grad yet,
+// another dtype), its gradient goes back through autograd as usual.
+//
+// Called from Rust through the C function at the bottom (tensors are tch's at::Tensor*).
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <vector>
+
+#include "ffi.h"
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A parameter's gradient: added into its .grad by `add_into` where that .grad can take it in
+// place (sprtrain's flat-buffer views), returning undefined; else made by `make` and returned
+// for autograd's AccumulateGrad.
+template <typename Make, typename AddInto>
+at::Tensor accumulate(const at::Tensor& param, Make make, AddInto add_into) {
+  const at::Tensor& grad = param.grad();
+  if (param.is_leaf() && grad.defined() && grad.scalar_type() == param.scalar_type() &&
+      grad.sizes() == param.sizes() && grad.is_contiguous() && !grad.is_sparse()) {
+    at::Tensor target = param.mutable_grad();
+    add_into(target);
+    return at::Tensor();
+  }
+  return make();
+}
+
+// Where every weight's .grad can take its gradient in place (as `accumulate` requires) and
+// the .grads are consecutive in memory in the order of `weights` (the flat buffer puts q/k/v
+// or gate/up side by side where their names sort so), a (sum of out_i, in) view over all of
+// them; else undefined.
+at::Tensor adjacent_grads(const std::vector<at::Tensor>& weights, int64_t in) {
+  if (weights.size() < 2) return at::Tensor();
+  const at::Tensor& first = weights[0].grad();
+  int64_t rows = 0;
+  const float* next = nullptr;
+  for (const at::Tensor& w : weights) {
+    const at::Tensor& grad = w.grad();
+    if (!w.is_leaf() || !w.requires_grad() || !grad.defined() ||
+        grad.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
+        grad.sizes() != w.sizes() || !grad.is_contiguous() || grad.is_sparse() ||
+        !grad.storage().is_alias_of(first.storage())) {
+      return at::Tensor();
+    }
+    const float* start = grad.const_data_ptr<float>();
+    if (next != nullptr && start != next) return at::Tensor();
+    next = start + grad.numel();
+    rows += w.size(0);
+  }
+  // A view of the same storage from the first .grad's offset (bounds-checked by libtorch).
+  return first.as_strided({rows, in}, {in, 1});
+}
+
+// For each of `params` (autograd inputs `first_edge` on), the next rows of `all`, its
+// gradient: added into its .grad where `accumulate` can, else appended to `result`.
+void add_parts(AutogradContext* ctx, size_t first_edge, const std::vector<at::Tensor>& params,
+               const at::Tensor& all, variable_list& result) {
+  int64_t row = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor part = all.narrow(0, row, params[i].size(0));
+    row += params[i].size(0);
+    if (!ctx->needs_input_grad(first_edge + i)) {
+      result.emplace_back();
+      continue;
+    }
+    result.push_back(accumulate(
+        params[i], [&] { return part; }, [&](at::Tensor& target) { target.add_(part); }));
+  }
+}
+
+struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear> {
+  // x (..., in); weights (out_i, in); biases: none or one (out_i) per weight.
+  // Returns (..., sum of out_i).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList weights,
+                            at::TensorList biases) {
+    at::Tensor w = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+    std::optional<at::Tensor> b;
+    if (!biases.empty()) b = biases.size() == 1 ? biases[0] : at::cat(biases, 0);
+    ctx->save_for_backward({x, w});
+    // The parameters themselves, to reach their .grad (saved variables of leaves unpack to the
+    // leaves, but a list in saved_data says so without relying on it).
+    ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["biases"] = biases.vec();
+    return at::linear(x, w, b);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
+    const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
+    const int64_t in = w.size(1), out = w.size(0);
+    const at::Tensor dy = grads[0].reshape({-1, out});  // (rows, sum of out_i)
+    const at::Tensor x2 = x.reshape({-1, in});          // (rows, in)
+
+    variable_list result;
+    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()) : at::Tensor());
+    const size_t n = weights.size();
+    bool any_weight = false;  // LoRA's frozen base weights need none
+    for (size_t i = 0; i < n; ++i) any_weight = any_weight || ctx->needs_input_grad(1 + i);
+    at::Tensor region = any_weight ? adjacent_grads(weights, in) : at::Tensor();
+    if (!any_weight || region.defined()) {
+      // The layers' .grads lie one after another in the flat buffer, in the order of their
+      // weights: one product into all of them.
+      if (region.defined()) region.addmm_(dy.t(), x2);
+      result.insert(result.end(), n, at::Tensor());
+    } else if (n == 1) {
+      result.push_back(accumulate(
+          weights[0], [&] { return dy.t().mm(x2); },
+          [&](at::Tensor& target) { target.addmm_(dy.t(), x2); }));
+    } else {
+      // Apart in memory: one product for all (one narrower product a layer measured slower
+      // at DistilBERT's 3072 rows), its rows added into each .grad.
+      const at::Tensor all = dy.t().mm(x2);  // (sum of out_i, in)
+      add_parts(ctx, 1, weights, all, result);
+    }
+    bool any_bias = false;
+    for (size_t i = 0; i < biases.size(); ++i) {
+      any_bias = any_bias || ctx->needs_input_grad(1 + n + i);
+    }
+    if (any_bias) {
+      add_parts(ctx, 1 + n, biases, dy.sum(0), result);  // (sum of out_i)
+    } else {
+      result.insert(result.end(), biases.size(), at::Tensor());
+    }
+    return result;
+  }
+};
+
+bool any_requires_grad(at::TensorList ts) {
+  for (const at::Tensor& t : ts) {
+    if (t.requires_grad()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x @ cat(weights).T + cat(biases) for (..., in) x and `n_weights` (out_i, in) weights, with
+// no biases or one (out_i) per weight; returns (..., sum of out_i). Under autograd, each
+// weight's (and bias's) gradient is added into its .grad by the backward GEMM itself.
+at::Tensor* sprtrain_accumulating_linear(const at::Tensor* x, const at::Tensor* const* weights,
+                                         size_t n_weights, const at::Tensor* const* biases,
+                                         size_t n_biases, char** error) {
+  return sprtrain_ffi::guarded(error, [&] {
+    TORCH_CHECK(n_weights > 0, "accumulating linear: no weights");
+    TORCH_CHECK(n_biases == 0 || n_biases == n_weights,
+                "accumulating linear: biases for some layers only");
+    std::vector<at::Tensor> ws, bs;
+    for (size_t i = 0; i < n_weights; ++i) ws.push_back(*weights[i]);
+    for (size_t i = 0; i < n_biases; ++i) bs.push_back(*biases[i]);
+    if (!at::GradMode::is_enabled() ||
+        !(x->requires_grad() || any_requires_grad(ws) || any_requires_grad(bs))) {
+      at::Tensor w = ws.size() == 1 ? ws[0] : at::cat(ws, 0);
+      std::optional<at::Tensor> b;
+      if (!bs.empty()) b = bs.size() == 1 ? bs[0] : at::cat(bs, 0);
+      return at::linear(*x, w, b);
+    }
+    // As TensorLists, so that autograd counts every weight and bias as an input.
+    return AccumulatingLinear::apply(*x, at::TensorList(ws), at::TensorList(bs));
+  });
+}
+}
