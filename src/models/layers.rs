@@ -763,7 +763,8 @@ mod tests {
     }
 
     /// With `.grad`s bound to the flat buffer: weights whose gradients lie side by side take
-    /// one product into both; with biases between them, one product each.
+    /// one product into both; with biases between them, one product whose rows are added
+    /// into each.
     #[test]
     fn weight_gradients_accumulate_into_the_flat_buffer() {
         tch::manual_seed(0);

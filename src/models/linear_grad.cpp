@@ -6,9 +6,13 @@
 // the weight): at Llama-125M's 512-row GEMMs that pass is a few percent of a step.
 //
 // Several layers of one input (query/key/value, gate/up) run as one product of their
-// concatenated weights; each layer's gradient is a slice of the output gradient, accumulated
-// into that layer's own .grad. Where a weight has no usable .grad (not a leaf, no .grad yet,
-// another dtype), its gradient goes back through autograd as usual.
+// concatenated weights, and their weight gradient is one product too: into all the layers'
+// .grads at once where those lie side by side in the flat buffer, else its rows added into
+// each (one narrower product a layer was slower at 3072 rows). Where a weight has no usable
+// .grad (not a leaf, no .grad yet, another dtype), its gradient goes back through autograd as
+// usual. The one difference a caller can see: a backward asked for some inputs' gradients
+// only (torch.autograd.grad) still adds these weights' gradients into their .grad; sprtrain
+// only ever runs whole backwards.
 //
 // Called from Rust through the C function at the bottom (tensors are tch's at::Tensor*).
 
