@@ -701,12 +701,19 @@ mod tests {
         t.detach().copy().set_requires_grad(true)
     }
 
-    /// `linear_of_parts` on x (2, 5, 8) and two layers (3 and 4 outputs), backward twice,
+    /// `linear_of_parts` on x (2, 5, 8) and layers of 8 inputs, backward twice,
     /// against autograd's gradients of the plain product of copies: each gradient must come out
     /// twice autograd's. Tolerance 1e-4: fp32 sums of 8-term products of N(0, 1) values over
     /// 10 rows, added in another order.
     fn check_two_backwards(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) {
-        let dy = Tensor::randn([2, 5, 7], (Kind::Float, Device::Cpu));
+        for t in weights.iter().chain(biases) {
+            // Left by an earlier check on the same layers.
+            if t.grad().defined() {
+                t.grad().zero_();
+            }
+        }
+        let outs: i64 = weights.iter().map(|w| w.size()[0]).sum();
+        let dy = Tensor::randn([2, 5, outs], (Kind::Float, Device::Cpu));
         let (xr, wr, br) = (
             copy(x),
             weights.iter().map(|w| copy(w)).collect::<Vec<_>>(),
@@ -785,6 +792,8 @@ mod tests {
         check_two_backwards(&leaf(&[2, 5, 8]), &[&a, &b], &[]);
         let biases = [lin.bias.as_ref().unwrap(), lin2.bias.as_ref().unwrap()];
         check_two_backwards(&leaf(&[2, 5, 8]), &[&lin.weight, &lin2.weight], &biases);
+        // One layer: its own product into its .grad.
+        check_two_backwards(&leaf(&[2, 5, 8]), &[&lin2.weight], &biases[1..]);
         drop(flat);
     }
 }
