@@ -709,7 +709,7 @@ mod tests {
         for t in weights.iter().chain(biases) {
             // Left by an earlier check on the same layers.
             if t.grad().defined() {
-                t.grad().zero_();
+                let _ = t.grad().zero_();
             }
         }
         let outs: i64 = weights.iter().map(|w| w.size()[0]).sum();
