@@ -31,11 +31,17 @@ using torch::autograd::variable_list;
 // A parameter's gradient: added into its .grad by `add_into` where that .grad can take it in
 // place (sprtrain's flat-buffer views), returning undefined; else made by `make` and returned
 // for autograd's AccumulateGrad.
+// Whether `param`'s .grad can take its gradient in place: a leaf's dense, contiguous .grad of
+// its own dtype and shape (sprtrain's flat-buffer views).
+bool grad_in_place(const at::Tensor& param) {
+  const at::Tensor& grad = param.grad();
+  return param.is_leaf() && grad.defined() && grad.scalar_type() == param.scalar_type() &&
+         grad.sizes() == param.sizes() && grad.is_contiguous() && !grad.is_sparse();
+}
+
 template <typename Make, typename AddInto>
 at::Tensor accumulate(const at::Tensor& param, Make make, AddInto add_into) {
-  const at::Tensor& grad = param.grad();
-  if (param.is_leaf() && grad.defined() && grad.scalar_type() == param.scalar_type() &&
-      grad.sizes() == param.sizes() && grad.is_contiguous() && !grad.is_sparse()) {
+  if (grad_in_place(param)) {
     at::Tensor target = param.mutable_grad();
     add_into(target);
     return at::Tensor();
@@ -53,13 +59,11 @@ at::Tensor adjacent_grads(const std::vector<at::Tensor>& weights, int64_t in) {
   int64_t rows = 0;
   const float* next = nullptr;
   for (const at::Tensor& w : weights) {
-    const at::Tensor& grad = w.grad();
-    if (!w.is_leaf() || !w.requires_grad() || !grad.defined() ||
-        grad.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
-        grad.sizes() != w.sizes() || !grad.is_contiguous() || grad.is_sparse() ||
-        !grad.storage().is_alias_of(first.storage())) {
+    if (!w.requires_grad() || !grad_in_place(w) || w.scalar_type() != at::kFloat ||
+        !w.grad().storage().is_alias_of(first.storage())) {
       return at::Tensor();
     }
+    const at::Tensor& grad = w.grad();
     const float* start = grad.const_data_ptr<float>();
     if (next != nullptr && start != next) return at::Tensor();
     next = start + grad.numel();
