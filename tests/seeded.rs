@@ -65,6 +65,55 @@ fn dropout_gradient_is_the_same_mask() {
     assert!(max_abs_diff(&x.grad(), &(&w * &mask)) < 1e-6);
 }
 
+/// bf16 dropout writes, bit for bit, the fp32 result on the same mask rounded to bf16 (both
+/// round the one product x * scale to nearest-even), over values that exercise the rounding:
+/// normal draws at several scales, ties, infinities, NaN, the largest finite bf16, zeros and
+/// subnormals; 100,003 elements so that the kernel's parallel chunks and vector tails are
+/// crossed. The check is exact: no tolerance.
+#[test]
+fn bf16_dropout_is_the_fp32_result_rounded() {
+    let n = 100_003i64;
+    let mut values: Vec<f32> = Vec::try_from(&(randn(&[n], 5) * 3.0)).unwrap();
+    let specials = [
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3.389_531_4e38, // the largest finite bf16: times 1/0.9 overflows to inf
+        0.0,
+        -0.0,
+        1e-40,             // subnormal
+        1.0 + 1.0 / 256.0, // halfway between two bf16 values (the input cast rounds it)
+        65504.0,
+    ];
+    for (i, s) in specials.iter().enumerate() {
+        values[i * 7] = *s;
+    }
+    let x = Tensor::from_slice(&values).to_kind(Kind::BFloat16);
+    // p = 1/3 scales by 1.5: products of 8-bit mantissas that often fall halfway.
+    for (p, seed) in [(0.1, 3), (1.0 / 3.0, 4), (0.5, 9)] {
+        let ours = seeded_dropout(&x, p, seed);
+        let expected = seeded_dropout(&x.to_kind(Kind::Float), p, seed).to_kind(Kind::BFloat16);
+        assert_eq!(ours.kind(), Kind::BFloat16);
+        // NaN stays NaN (libtorch's vectorised cast writes another NaN pattern than c10's
+        // scalar one); every other element must match bit for bit.
+        let nan = expected.isnan();
+        assert!(ours.isnan().equal(&nan), "p {p}: NaN positions differ");
+        let (a, b) = (
+            ours.view_dtype(Kind::Int16),
+            expected.view_dtype(Kind::Int16),
+        );
+        let differ = a
+            .ne_tensor(&b)
+            .logical_and(&nan.logical_not())
+            .sum(Kind::Int64)
+            .int64_value(&[]);
+        assert_eq!(
+            differ, 0,
+            "p {p}: {differ} bf16 elements differ from the rounded fp32 result"
+        );
+    }
+}
+
 /// Plain attention through libtorch's autograd: softmax(q k^T / sqrt(d) + bias) * mask @ v.
 fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, keys: &Tensor, mask: &Tensor) -> Tensor {
     let d = q.size()[3] as f64;
