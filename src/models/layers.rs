@@ -85,7 +85,7 @@ pub fn seeded_attention_with(
 mod kernels {
     use std::ffi::{c_char, CStr};
 
-    use tch::Tensor;
+    use tch::{Kind, Tensor};
     use torch_sys::C_tensor;
 
     extern "C" {
@@ -111,6 +111,7 @@ mod kernels {
             n_weights: usize,
             biases: *const *const C_tensor,
             n_biases: usize,
+            compute: std::ffi::c_int,
             error: *mut *mut c_char,
         ) -> *mut C_tensor;
         fn sprtrain_free_error(error: *mut c_char);
@@ -164,8 +165,26 @@ mod kernels {
         wrap(out, error, "seeded attention")
     }
 
-    /// `x @ cat(weights).T + cat(biases)` (no biases, or one per weight).
-    pub fn accumulating_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Tensor {
+    /// ATen's `ScalarType` number of the floating dtypes a product can run in (tch keeps its
+    /// own mapping private); -1, the weights' own dtype, for any other.
+    fn scalar_type_code(kind: Kind) -> std::ffi::c_int {
+        match kind {
+            Kind::Half => 5,
+            Kind::Float => 6,
+            Kind::Double => 7,
+            Kind::BFloat16 => 15,
+            _ => -1,
+        }
+    }
+
+    /// `x @ cat(weights).T + cat(biases)` (no biases, or one per weight), the products in
+    /// `compute` (else the weights' dtype).
+    pub fn accumulating_linear(
+        x: &Tensor,
+        weights: &[&Tensor],
+        biases: &[&Tensor],
+        compute: Option<Kind>,
+    ) -> Tensor {
         let weights: Vec<*const C_tensor> = weights.iter().map(|w| w.as_ptr()).collect();
         let biases: Vec<*const C_tensor> = biases.iter().map(|b| b.as_ptr()).collect();
         let mut error = std::ptr::null_mut();
@@ -177,6 +196,7 @@ mod kernels {
                 weights.len(),
                 biases.as_ptr(),
                 biases.len(),
+                compute.map_or(-1, scalar_type_code),
                 &mut error,
             )
         };
@@ -213,23 +233,13 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
 }
 
 /// `x @ cat(weights).T + cat(biases)`: several layers of one input as one product (no biases,
-/// or one per weight). In fp32 the backward adds each weight's gradient into its `.grad` with
-/// the gradient GEMM itself (src/models/linear_grad.cpp) rather than returning it for
-/// autograd to add: with `.grad` bound to the flat buffer, that addition was a pass over every
-/// weight's gradient each micro-step. Under autocast the weights are cast per call and their
-/// gradients go back through the cast.
+/// or one per weight), in the autocast dtype when one is in force. The backward adds each
+/// weight's gradient into its `.grad` itself (src/models/linear_grad.cpp) rather than
+/// returning it for autograd to add: with `.grad` bound to the flat buffer, that addition was
+/// a pass over every weight's gradient each micro-step (under autocast, two: the cast back to
+/// fp32, then the addition).
 fn linear_of_parts(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Tensor {
-    match autocast_kind() {
-        Some(k) => {
-            let cat = |ts: &[&Tensor]| match ts {
-                [t] => t.to_kind(k),
-                ts => Tensor::cat(ts, 0).to_kind(k),
-            };
-            let b = (!biases.is_empty()).then(|| cat(biases));
-            x.to_kind(k).linear(&cat(weights), b.as_ref())
-        }
-        None => kernels::accumulating_linear(x, weights, biases),
-    }
+    kernels::accumulating_linear(x, weights, biases, autocast_kind())
 }
 
 /// A parameter drawn from normal(0, `std`), as transformers' `_init_weights` draws weights:
@@ -706,6 +716,17 @@ mod tests {
     /// twice autograd's. Tolerance 1e-4: fp32 sums of 8-term products of N(0, 1) values over
     /// 10 rows, added in another order.
     fn check_two_backwards(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) {
+        check_two_backwards_in(None, x, weights, biases)
+    }
+
+    /// The same under autocast to `compute`, against torch.autocast's path: copies cast to
+    /// `compute`, multiplied, their gradients cast back.
+    fn check_two_backwards_in(
+        compute: Option<Kind>,
+        x: &Tensor,
+        weights: &[&Tensor],
+        biases: &[&Tensor],
+    ) {
         for t in weights.iter().chain(biases) {
             // Left by an earlier check on the same layers.
             if t.grad().defined() {
@@ -719,12 +740,18 @@ mod tests {
             weights.iter().map(|w| copy(w)).collect::<Vec<_>>(),
             biases.iter().map(|b| copy(b)).collect::<Vec<_>>(),
         );
-        let b = (!br.is_empty()).then(|| Tensor::cat(&br, 0));
-        let yr = xr.linear(&Tensor::cat(&wr, 0), b.as_ref());
+        let kind = compute.unwrap_or(Kind::Float);
+        let b = (!br.is_empty()).then(|| Tensor::cat(&br, 0).to_kind(kind));
+        let yr = xr
+            .to_kind(kind)
+            .linear(&Tensor::cat(&wr, 0).to_kind(kind), b.as_ref());
         (&yr * &dy).sum(Kind::Float).backward();
+        let _autocast = autocast(compute);
         for _ in 0..2 {
             let y = linear_of_parts(x, weights, biases);
-            assert!(f64::try_from((&y - &yr).abs().max()).unwrap() < 1e-5);
+            assert_eq!(y.kind(), kind, "the product's dtype");
+            let d = f64::try_from((&y - &yr).abs().max()).unwrap();
+            assert!(d < 1e-5, "outputs differ by {d:e}");
             (&y * &dy).sum(Kind::Float).backward();
         }
         let ours = std::iter::once(x)
@@ -732,6 +759,11 @@ mod tests {
             .chain(biases.iter().copied());
         let theirs = std::iter::once(&xr).chain(&wr).chain(&br);
         for (i, (ours, theirs)) in ours.zip(theirs).enumerate() {
+            assert_eq!(
+                ours.grad().kind(),
+                Kind::Float,
+                "input {i}'s gradient dtype"
+            );
             let d = f64::try_from((ours.grad() - theirs.grad() * 2.0).abs().max()).unwrap();
             assert!(
                 d < 1e-4,
@@ -795,5 +827,37 @@ mod tests {
         // One layer: its own product into its .grad.
         check_two_backwards(&leaf(&[2, 5, 8]), &[&lin2.weight], &biases[1..]);
         drop(flat);
+    }
+
+    /// Under bf16 autocast the same three layouts, and the bf16 products' gradients (made,
+    /// then added into the fp32 .grads) against torch.autocast's path. The values come out the
+    /// same (the gradients to 1e-4 as above): both make the one bf16 product of the same
+    /// bf16 operands and widen it exactly.
+    #[test]
+    fn bf16_products_add_their_gradients_as_autocast_does() {
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let (a, b) = (
+            normal_var(&root, "a", &[3, 8], 1.0),
+            normal_var(&root, "b", &[4, 8], 1.0),
+        );
+        let lin = Linear::new(&root / "lin", 8, 3, 1.0);
+        let lin2 = Linear::new(&root / "lin2", 8, 4, 1.0);
+        let flat = FlatParams::new(&vs, |_| 0);
+        let bf16 = Some(Kind::BFloat16);
+        check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&a, &b], &[]);
+        let biases = [lin.bias.as_ref().unwrap(), lin2.bias.as_ref().unwrap()];
+        check_two_backwards_in(
+            bf16,
+            &leaf(&[2, 5, 8]),
+            &[&lin.weight, &lin2.weight],
+            &biases,
+        );
+        check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&lin2.weight], &biases[1..]);
+        drop(flat);
+        // Without a flat buffer (the first backward's path above, every time here).
+        let (w, bias) = (leaf(&[3, 8]), leaf(&[3]));
+        check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&w], &[&bias]);
     }
 }

@@ -14,6 +14,11 @@
 // only (torch.autograd.grad) still adds these weights' gradients into their .grad; sprtrain
 // only ever runs whole backwards.
 //
+// Under autocast (a lower compute dtype, bf16) the weights are cast once a call, several layers
+// straight into one buffer, and the input too; the products run in that dtype and the weight
+// gradient's product (rounded to it, as torch.autocast's) is added into the fp32 .grad in one
+// mixed-dtype pass, where autograd's path cast it to a new fp32 tensor and then added that.
+//
 // Called from Rust through the C function at the bottom (tensors are tch's at::Tensor*).
 
 #include <ATen/ATen.h>
@@ -86,24 +91,44 @@ void add_parts(AutogradContext* ctx, size_t first_edge, const std::vector<at::Te
       continue;
     }
     result.push_back(accumulate(
-        params[i], [&] { return part; }, [&](at::Tensor& target) { target.add_(part); }));
+        params[i], [&] { return part.to(params[i].scalar_type()); },
+        [&](at::Tensor& target) { target.add_(part); }));
   }
 }
 
+// `params` (rows out_i each) in one (sum of out_i, ...) tensor of dtype `kind`: a cast (or, in
+// their own dtype, a cat) written straight into one buffer.
+at::Tensor concat_as(at::TensorList params, at::ScalarType kind) {
+  if (params.size() == 1) return params[0].to(kind);
+  if (params[0].scalar_type() == kind) return at::cat(params, 0);
+  std::vector<int64_t> shape = params[0].sizes().vec();
+  shape[0] = 0;
+  for (const at::Tensor& t : params) shape[0] += t.size(0);
+  at::Tensor out = at::empty(shape, params[0].options().dtype(kind));
+  int64_t row = 0;
+  for (const at::Tensor& t : params) {
+    out.narrow(0, row, t.size(0)).copy_(t);
+    row += t.size(0);
+  }
+  return out;
+}
+
 struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear> {
-  // x (..., in); weights (out_i, in); biases: none or one (out_i) per weight.
-  // Returns (..., sum of out_i).
+  // x (..., in); weights (out_i, in); biases: none or one (out_i) per weight; the products run
+  // in `kind` (the weights' dtype, or autocast's). Returns (..., sum of out_i) in `kind`.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList weights,
-                            at::TensorList biases) {
-    at::Tensor w = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+                            at::TensorList biases, at::ScalarType kind) {
+    const at::Tensor w = concat_as(weights, kind);
+    const at::Tensor xc = x.to(kind);
     std::optional<at::Tensor> b;
-    if (!biases.empty()) b = biases.size() == 1 ? biases[0] : at::cat(biases, 0);
-    ctx->save_for_backward({x, w});
+    if (!biases.empty()) b = concat_as(biases, kind);
+    ctx->save_for_backward({xc, w});
+    ctx->saved_data["x_kind"] = static_cast<int64_t>(x.scalar_type());
     // The parameters themselves, to reach their .grad (saved variables of leaves unpack to the
     // leaves, but a list in saved_data says so without relying on it).
     ctx->saved_data["weights"] = weights.vec();
     ctx->saved_data["biases"] = biases.vec();
-    return at::linear(x, w, b);
+    return at::linear(xc, w, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -112,11 +137,15 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
     const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
     const int64_t in = w.size(1), out = w.size(0);
-    const at::Tensor dy = grads[0].reshape({-1, out});  // (rows, sum of out_i)
-    const at::Tensor x2 = x.reshape({-1, in});          // (rows, in)
+    const auto x_kind = static_cast<at::ScalarType>(ctx->saved_data["x_kind"].toInt());
+    const at::Tensor dy = grads[0].to(w.scalar_type()).reshape({-1, out});  // (rows, sum of out_i)
+    const at::Tensor x2 = x.reshape({-1, in});                              // (rows, in)
+    // In the weights' own dtype the weight gradient's product adds into an fp32 .grad itself
+    // (beta = 1); in a lower one it is made, then added in one mixed-dtype pass.
+    const bool same_dtype = w.scalar_type() == weights_kind(ctx);
 
     variable_list result;
-    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()) : at::Tensor());
+    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()).to(x_kind) : at::Tensor());
     const size_t n = weights.size();
     bool any_weight = false;  // LoRA's frozen base weights need none
     for (size_t i = 0; i < n; ++i) any_weight = any_weight || ctx->needs_input_grad(1 + i);
@@ -124,15 +153,20 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     if (!any_weight || region.defined()) {
       // The layers' .grads lie one after another in the flat buffer, in the order of their
       // weights: one product into all of them.
-      if (region.defined()) region.addmm_(dy.t(), x2);
+      if (region.defined() && same_dtype) {
+        region.addmm_(dy.t(), x2);
+      } else if (region.defined()) {
+        region.add_(dy.t().mm(x2));
+      }
       result.insert(result.end(), n, at::Tensor());
-    } else if (n == 1) {
+    } else if (n == 1 && same_dtype) {
       result.push_back(accumulate(
           weights[0], [&] { return dy.t().mm(x2); },
           [&](at::Tensor& target) { target.addmm_(dy.t(), x2); }));
     } else {
-      // Apart in memory: one product for all (one narrower product a layer measured slower
-      // at DistilBERT's 3072 rows), its rows added into each .grad.
+      // Apart in memory (or one layer in a lower dtype): one product for all (one narrower
+      // product a layer measured slower at DistilBERT's 3072 rows), its rows added into each
+      // .grad.
       const at::Tensor all = dy.t().mm(x2);  // (sum of out_i, in)
       add_parts(ctx, 1, weights, all, result);
     }
@@ -145,7 +179,13 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     } else {
       result.insert(result.end(), biases.size(), at::Tensor());
     }
+    result.emplace_back();  // kind
     return result;
+  }
+
+  // The dtype of the weights themselves (the first one's: they share it).
+  static at::ScalarType weights_kind(AutogradContext* ctx) {
+    return ctx->saved_data["weights"].toTensorVector()[0].scalar_type();
   }
 };
 
@@ -163,9 +203,10 @@ extern "C" {
 // x @ cat(weights).T + cat(biases) for (..., in) x and `n_weights` (out_i, in) weights, with
 // no biases or one (out_i) per weight; returns (..., sum of out_i). Under autograd, each
 // weight's (and bias's) gradient is added into its .grad by the backward GEMM itself.
+// `compute` is the dtype of the products (ATen's ScalarType code), or -1 for the weights'.
 at::Tensor* sprtrain_accumulating_linear(const at::Tensor* x, const at::Tensor* const* weights,
                                          size_t n_weights, const at::Tensor* const* biases,
-                                         size_t n_biases, char** error) {
+                                         size_t n_biases, int compute, char** error) {
   return sprtrain_ffi::guarded(error, [&] {
     TORCH_CHECK(n_weights > 0, "accumulating linear: no weights");
     TORCH_CHECK(n_biases == 0 || n_biases == n_weights,
@@ -173,15 +214,16 @@ at::Tensor* sprtrain_accumulating_linear(const at::Tensor* x, const at::Tensor* 
     std::vector<at::Tensor> ws, bs;
     for (size_t i = 0; i < n_weights; ++i) ws.push_back(*weights[i]);
     for (size_t i = 0; i < n_biases; ++i) bs.push_back(*biases[i]);
+    const at::ScalarType kind =
+        compute < 0 ? ws[0].scalar_type() : static_cast<at::ScalarType>(compute);
     if (!at::GradMode::is_enabled() ||
         !(x->requires_grad() || any_requires_grad(ws) || any_requires_grad(bs))) {
-      at::Tensor w = ws.size() == 1 ? ws[0] : at::cat(ws, 0);
       std::optional<at::Tensor> b;
-      if (!bs.empty()) b = bs.size() == 1 ? bs[0] : at::cat(bs, 0);
-      return at::linear(*x, w, b);
+      if (!bs.empty()) b = concat_as(bs, kind);
+      return at::linear(x->to(kind), concat_as(ws, kind), b);
     }
     // As TensorLists, so that autograd counts every weight and bias as an input.
-    return AccumulatingLinear::apply(*x, at::TensorList(ws), at::TensorList(bs));
+    return AccumulatingLinear::apply(*x, at::TensorList(ws), at::TensorList(bs), kind);
   });
 }
 }
