@@ -803,10 +803,8 @@ mod tests {
 
     /// With `.grad`s bound to the flat buffer: weights whose gradients lie side by side take
     /// one product into both; with biases between them, one product whose rows are added
-    /// into each.
-    #[test]
-    fn weight_gradients_accumulate_into_the_flat_buffer() {
-        tch::manual_seed(0);
+    /// into each; one layer, its own product. Products in `compute` (autocast), if given.
+    fn check_flat_buffer_layouts(compute: Option<Kind>) {
         let vs = nn::VarStore::new(Device::Cpu);
         let root = vs.root();
         let (a, b) = (
@@ -821,41 +819,29 @@ mod tests {
             b.grad().data_ptr() as usize,
             "the test needs a's and b's gradients adjacent"
         );
-        check_two_backwards(&leaf(&[2, 5, 8]), &[&a, &b], &[]);
+        check_two_backwards_in(compute, &leaf(&[2, 5, 8]), &[&a, &b], &[]);
         let biases = [lin.bias.as_ref().unwrap(), lin2.bias.as_ref().unwrap()];
-        check_two_backwards(&leaf(&[2, 5, 8]), &[&lin.weight, &lin2.weight], &biases);
-        // One layer: its own product into its .grad.
-        check_two_backwards(&leaf(&[2, 5, 8]), &[&lin2.weight], &biases[1..]);
+        let (weights, x) = ([&lin.weight, &lin2.weight], leaf(&[2, 5, 8]));
+        check_two_backwards_in(compute, &x, &weights, &biases);
+        check_two_backwards_in(compute, &leaf(&[2, 5, 8]), &weights[1..], &biases[1..]);
         drop(flat);
     }
 
-    /// Under bf16 autocast the same three layouts, and the bf16 products' gradients (made,
-    /// then added into the fp32 .grads) against torch.autocast's path. The values come out the
+    #[test]
+    fn weight_gradients_accumulate_into_the_flat_buffer() {
+        tch::manual_seed(0);
+        check_flat_buffer_layouts(None);
+    }
+
+    /// Under bf16 autocast the same layouts, and the bf16 products' gradients (made, then
+    /// added into the fp32 .grads) against torch.autocast's path. The values come out the
     /// same (the gradients to 1e-4 as above): both make the one bf16 product of the same
     /// bf16 operands and widen it exactly.
     #[test]
     fn bf16_products_add_their_gradients_as_autocast_does() {
         tch::manual_seed(1);
-        let vs = nn::VarStore::new(Device::Cpu);
-        let root = vs.root();
-        let (a, b) = (
-            normal_var(&root, "a", &[3, 8], 1.0),
-            normal_var(&root, "b", &[4, 8], 1.0),
-        );
-        let lin = Linear::new(&root / "lin", 8, 3, 1.0);
-        let lin2 = Linear::new(&root / "lin2", 8, 4, 1.0);
-        let flat = FlatParams::new(&vs, |_| 0);
         let bf16 = Some(Kind::BFloat16);
-        check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&a, &b], &[]);
-        let biases = [lin.bias.as_ref().unwrap(), lin2.bias.as_ref().unwrap()];
-        check_two_backwards_in(
-            bf16,
-            &leaf(&[2, 5, 8]),
-            &[&lin.weight, &lin2.weight],
-            &biases,
-        );
-        check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&lin2.weight], &biases[1..]);
-        drop(flat);
+        check_flat_buffer_layouts(bf16);
         // Without a flat buffer (the first backward's path above, every time here).
         let (w, bias) = (leaf(&[3, 8]), leaf(&[3]));
         check_two_backwards_in(bf16, &leaf(&[2, 5, 8]), &[&w], &[&bias]);
