@@ -67,7 +67,7 @@ fn dropout_gradient_is_the_same_mask() {
 
 /// bf16 dropout writes, bit for bit, the fp32 result on the same mask rounded to bf16 (both
 /// round the one product x * scale to nearest-even), over values that exercise the rounding:
-/// normal draws at several scales, ties, infinities, NaN, the largest finite bf16, zeros and
+/// normal draws (sd 3), ties, infinities, NaN, the largest finite bf16, zeros and
 /// subnormals; 100,003 elements so that the kernel's parallel chunks and vector tails are
 /// crossed. The check is exact: no tolerance.
 #[test]
@@ -78,7 +78,7 @@ fn bf16_dropout_is_the_fp32_result_rounded() {
         f32::INFINITY,
         f32::NEG_INFINITY,
         f32::NAN,
-        3.389_531_4e38, // the largest finite bf16: times 1/0.9 overflows to inf
+        3.389_531_4e38, // the largest finite bf16: any scale above 1 overflows it to inf
         0.0,
         -0.0,
         1e-40,             // subnormal

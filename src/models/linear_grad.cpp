@@ -33,9 +33,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// A parameter's gradient: added into its .grad by `add_into` where that .grad can take it in
-// place (sprtrain's flat-buffer views), returning undefined; else made by `make` and returned
-// for autograd's AccumulateGrad.
 // Whether `param`'s .grad can take its gradient in place: a leaf's dense, contiguous .grad of
 // its own dtype and shape (sprtrain's flat-buffer views).
 bool grad_in_place(const at::Tensor& param) {
@@ -44,6 +41,9 @@ bool grad_in_place(const at::Tensor& param) {
          grad.sizes() == param.sizes() && grad.is_contiguous() && !grad.is_sparse();
 }
 
+// A parameter's gradient: added into its .grad by `add_into` where that .grad can take it in
+// place (sprtrain's flat-buffer views), returning undefined; else made by `make` and returned
+// for autograd's AccumulateGrad.
 template <typename Make, typename AddInto>
 at::Tensor accumulate(const at::Tensor& param, Make make, AddInto add_into) {
   if (grad_in_place(param)) {
@@ -123,7 +123,6 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     std::optional<at::Tensor> b;
     if (!biases.empty()) b = concat_as(biases, kind);
     ctx->save_for_backward({xc, w});
-    ctx->saved_data["x_kind"] = static_cast<int64_t>(x.scalar_type());
     // The parameters themselves, to reach their .grad (saved variables of leaves unpack to the
     // leaves, but a list in saved_data says so without relying on it).
     ctx->saved_data["weights"] = weights.vec();
@@ -137,15 +136,23 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
     const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
     const int64_t in = w.size(1), out = w.size(0);
-    const auto x_kind = static_cast<at::ScalarType>(ctx->saved_data["x_kind"].toInt());
-    const at::Tensor dy = grads[0].to(w.scalar_type()).reshape({-1, out});  // (rows, sum of out_i)
-    const at::Tensor x2 = x.reshape({-1, in});                              // (rows, in)
-    // In the weights' own dtype the weight gradient's product adds into an fp32 .grad itself
-    // (beta = 1); in a lower one it is made, then added in one mixed-dtype pass.
-    const bool same_dtype = w.scalar_type() == weights_kind(ctx);
+    const at::Tensor dy = grads[0].reshape({-1, out});  // (rows, sum of out_i)
+    const at::Tensor x2 = x.reshape({-1, in});          // (rows, in)
+    // grad += dY^T X: in the weights' own dtype with the product itself (beta = 1); in a lower
+    // one (autocast) the product is made, then added into the fp32 .grad in one mixed-dtype
+    // pass.
+    const bool same_dtype = w.scalar_type() == weights[0].scalar_type();
+    const auto add_product = [&](at::Tensor& target) {
+      if (same_dtype) {
+        target.addmm_(dy.t(), x2);
+      } else {
+        target.add_(dy.t().mm(x2));
+      }
+    };
 
     variable_list result;
-    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()).to(x_kind) : at::Tensor());
+    // In the compute dtype; autograd casts it to x's own, as for any input.
+    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()) : at::Tensor());
     const size_t n = weights.size();
     bool any_weight = false;  // LoRA's frozen base weights need none
     for (size_t i = 0; i < n; ++i) any_weight = any_weight || ctx->needs_input_grad(1 + i);
@@ -153,20 +160,14 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     if (!any_weight || region.defined()) {
       // The layers' .grads lie one after another in the flat buffer, in the order of their
       // weights: one product into all of them.
-      if (region.defined() && same_dtype) {
-        region.addmm_(dy.t(), x2);
-      } else if (region.defined()) {
-        region.add_(dy.t().mm(x2));
-      }
+      if (region.defined()) add_product(region);
       result.insert(result.end(), n, at::Tensor());
-    } else if (n == 1 && same_dtype) {
+    } else if (n == 1) {
       result.push_back(accumulate(
-          weights[0], [&] { return dy.t().mm(x2); },
-          [&](at::Tensor& target) { target.addmm_(dy.t(), x2); }));
+          weights[0], [&] { return dy.t().mm(x2).to(weights[0].scalar_type()); }, add_product));
     } else {
-      // Apart in memory (or one layer in a lower dtype): one product for all (one narrower
-      // product a layer measured slower at DistilBERT's 3072 rows), its rows added into each
-      // .grad.
+      // Apart in memory: one product for all (one narrower product a layer measured slower
+      // at DistilBERT's 3072 rows), its rows added into each .grad.
       const at::Tensor all = dy.t().mm(x2);  // (sum of out_i, in)
       add_parts(ctx, 1, weights, all, result);
     }
@@ -181,11 +182,6 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     }
     result.emplace_back();  // kind
     return result;
-  }
-
-  // The dtype of the weights themselves (the first one's: they share it).
-  static at::ScalarType weights_kind(AutogradContext* ctx) {
-    return ctx->saved_data["weights"].toTensorVector()[0].scalar_type();
   }
 };
 
