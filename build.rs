@@ -1,6 +1,7 @@
 //! Compiles the seeded dropout/attention kernels (src/models/seeded.cpp), the linear layers that
-//! accumulate their weight gradients in place (src/models/linear_grad.cpp) and the optimizer's
-//! buffer helpers (src/optim_buffers.cpp) against libtorch,
+//! accumulate their weight gradients in place (src/models/linear_grad.cpp), the optimizer's
+//! buffer helpers (src/optim_buffers.cpp) and the operator profiler's bridge
+//! (src/train/profile.cpp) against libtorch,
 //! embeds an rpath to libtorch's lib directory so the binary runs without LD_LIBRARY_PATH and
 //! without an activated venv, and records the libtorch version for `sprtrain env`.
 use std::path::PathBuf;
@@ -19,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/models/linear_grad.cpp");
     println!("cargo:rerun-if-changed=src/models/ffi.h");
     println!("cargo:rerun-if-changed=src/optim_buffers.cpp");
+    println!("cargo:rerun-if-changed=src/train/profile.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
     cc::Build::new()
@@ -41,6 +43,7 @@ fn main() {
         .file("src/models/seeded.cpp")
         .file("src/models/linear_grad.cpp")
         .file("src/optim_buffers.cpp")
+        .file("src/train/profile.cpp")
         .compile("sprtrain_seeded");
 
     // PyPI wheels carry version.py; standalone libtorch zips carry build-version.

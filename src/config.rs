@@ -555,6 +555,12 @@ pub struct RuntimeConfig {
     /// on the steps it missed when it is next used (the same values as updating every row
     /// every step). false: every row every step, as torch does.
     pub sparse_embedding_updates: bool,
+    /// Record libtorch's operator profile (what torch.profiler records) over this many steps,
+    /// 0 = off: rank 0 writes `<output_dir>/profile/trace.json` (Chrome trace) and `ops.md`
+    /// (each operator's calls and self time a step).
+    pub profile_steps: u64,
+    /// The first step profiled (1-based); the steps before it warm caches and allocators.
+    pub profile_start_step: u64,
 }
 
 impl Default for RuntimeConfig {
@@ -565,6 +571,8 @@ impl Default for RuntimeConfig {
             seed: 42,
             allocator: Allocator::Auto,
             sparse_embedding_updates: true,
+            profile_steps: 0,
+            profile_start_step: 10,
         }
     }
 }

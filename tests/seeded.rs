@@ -128,16 +128,22 @@ const PATHS: [(&str, i64); 2] = [("batched", i64::MAX), ("per pair", 0)];
 /// Values and gradients of the seeded attention, on each path, against the reference on the
 /// same mask.
 fn compare(p: f64, kind: Kind, tolerance: f64) {
+    compare_queries(p, kind, tolerance, 37);
+}
+
+/// As `compare`, with `queries` queries (the first positions) against all 37 keys.
+fn compare_queries(p: f64, kind: Kind, tolerance: f64, queries: i64) {
     for (path, batched_up_to) in PATHS {
-        compare_on(p, kind, tolerance, batched_up_to, path);
+        compare_on(p, kind, tolerance, batched_up_to, path, queries);
     }
 }
 
-/// (B, H, T, D) q, k, v (leaves), the key mask of lengths 37, 20 and 5, and an output gradient.
-fn attention_inputs(kind: Kind) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+/// (B, H, queries, D) q and (B, H, T, D) k, v (leaves), the key mask of lengths 37, 20 and 5,
+/// and an output gradient.
+fn attention_inputs(kind: Kind, queries: i64) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
     let (b, h, t, d) = (3, 4, 37, 16);
     let (q, k, v) = (
-        leaf(&[b, h, t, d], kind, 3),
+        leaf(&[b, h, queries, d], kind, 3),
         leaf(&[b, h, t, d], kind, 4),
         leaf(&[b, h, t, d], kind, 5),
     );
@@ -148,13 +154,14 @@ fn attention_inputs(kind: Kind) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
             .view([1, t])
             .lt_tensor(&lengths),
     );
-    let grad_out = randn(&[b, h, t, d], 6);
+    let grad_out = randn(&[b, h, queries, d], 6);
     (q, k, v, keys, grad_out)
 }
 
-fn compare_on(p: f64, kind: Kind, tolerance: f64, batched_up_to: i64, path: &str) {
-    let (q, k, v, keys, grad_out) = attention_inputs(kind);
-    let (b, h, t, _) = q.size4().unwrap();
+fn compare_on(p: f64, kind: Kind, tolerance: f64, batched_up_to: i64, path: &str, queries: i64) {
+    let (q, k, v, keys, grad_out) = attention_inputs(kind, queries);
+    let (b, h, tq, _) = q.size4().unwrap();
+    let t = k.size()[2];
     let seed = 1234;
     let out = seeded_attention_with(&q, &k, &v, &keys, p, seed, batched_up_to);
     (&out.to_kind(Kind::Float) * &grad_out)
@@ -167,11 +174,11 @@ fn compare_on(p: f64, kind: Kind, tolerance: f64, batched_up_to: i64, path: &str
         k.detach().to_kind(Kind::Float).set_requires_grad(true),
         v.detach().to_kind(Kind::Float).set_requires_grad(true),
     );
-    // Element i of the (B, H, T, T) probabilities meets element i of the dropout mask.
+    // Element i of the (B, H, Tq, T) probabilities meets element i of the dropout mask.
     let mask = if p > 0.0 {
-        seeded_dropout(&Tensor::ones([b, h, t, t], (Kind::Float, CPU)), p, seed)
+        seeded_dropout(&Tensor::ones([b, h, tq, t], (Kind::Float, CPU)), p, seed)
     } else {
-        Tensor::ones([b, h, t, t], (Kind::Float, CPU))
+        Tensor::ones([b, h, tq, t], (Kind::Float, CPU))
     };
     let want = reference_attention(&q32, &k32, &v32, &keys, &mask);
     (&want * &grad_out).sum(Kind::Float).backward();
@@ -205,6 +212,16 @@ fn attention_with_dropout_equals_plain_attention_on_the_same_mask() {
     compare(0.5, Kind::Float, 1e-5);
 }
 
+/// The last layer under a first-token classification head asks one query of all the keys;
+/// 5 queries check the key mask's broadcast over several.
+#[test]
+fn attention_of_fewer_queries_than_keys_equals_plain_attention() {
+    for queries in [1, 5] {
+        compare_queries(0.0, Kind::Float, 1e-5, queries);
+        compare_queries(0.2, Kind::Float, 1e-5, queries);
+    }
+}
+
 #[test]
 fn attention_in_bf16_stays_close_to_fp32() {
     // bf16 inputs and products (8 mantissa bits: relative 4e-3 per rounding) against the fp32
@@ -217,7 +234,7 @@ fn attention_in_bf16_stays_close_to_fp32() {
 #[test]
 fn batched_and_per_pair_attention_agree() {
     let run = |batched_up_to: i64| {
-        let (q, k, v, keys, grad_out) = attention_inputs(Kind::Float);
+        let (q, k, v, keys, grad_out) = attention_inputs(Kind::Float, 37);
         let out = seeded_attention_with(&q, &k, &v, &keys, 0.3, 99, batched_up_to);
         (&out * &grad_out).sum(Kind::Float).backward();
         (out.detach(), q.grad(), k.grad(), v.grad())

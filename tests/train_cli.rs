@@ -171,6 +171,62 @@ fn lazy_embedding_rows_train_as_dense_updates() {
     assert!(moved > 1e-4, "the word embeddings did not train: {moved}");
 }
 
+/// `runtime.profile_steps`: libtorch's profiler over steps 3 and 4 of 5 writes a Chrome trace
+/// and a table of the operators those steps ran, and changes nothing of the training.
+#[test]
+fn profile_steps_write_a_trace_and_a_table_of_operators() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let mut losses = Vec::new();
+    for steps in [0, 2] {
+        let out = tmp.path().join(format!("profile-{steps}"));
+        let config = run_config(&data, &out)
+            .set("train.max_steps", 5)
+            .set("train.save_steps", 0)
+            .set("eval.strategy", "no")
+            .set("runtime.profile_steps", steps)
+            .set("runtime.profile_start_step", 3);
+        let stderr = ok(run(&[
+            "--config",
+            write(tmp.path(), &out, config).to_str().unwrap(),
+        ]));
+        losses.push(train_losses(&out));
+        let profile = out.join("profile");
+        if steps == 0 {
+            assert!(!profile.exists(), "profiled without profile_steps");
+            continue;
+        }
+        assert!(stderr.contains("operator profile:"), "{stderr}");
+        let trace: Value =
+            serde_json::from_str(&std::fs::read_to_string(profile.join("trace.json")).unwrap())
+                .unwrap();
+        let count = |name: &str| {
+            trace["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["name"] == name)
+                .count()
+        };
+        // Every step runs the classifier's linear layers and one backward.
+        let addmm = count("aten::addmm");
+        assert!(
+            addmm > 0 && count("aten::mm") > 0,
+            "no products in the trace"
+        );
+        let table = std::fs::read_to_string(profile.join("ops.md")).unwrap();
+        assert!(table.starts_with("# Operator profile: 2 steps,"), "{table}");
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("| `aten::addmm` |"))
+            .unwrap_or_else(|| panic!("no addmm row: {table}"));
+        let per_step: f64 = row.split('|').nth(2).unwrap().trim().parse().unwrap();
+        assert_eq!(per_step, addmm as f64 / 2.0, "{row}");
+    }
+    assert_eq!(losses[0].len(), 5);
+    assert_eq!(losses[0], losses[1], "profiling changed the training");
+}
+
 /// A checkpoint loads in transformers 5.23.0 with no missing or unexpected keys and gives the
 /// same logits (within 1e-5) as sprtrain on the same token ids.
 #[test]

@@ -10,9 +10,10 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, Arch, HfConfig};
 use super::layers::{
-    activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
+    activate, attention_inputs, dropout, key_mask, multi_head_attention, Embedding, LayerNorm,
+    Linear, Positions,
 };
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack_reading, Boundary, EncoderInputs};
 
 /// How position ids are derived from the input ids.
 #[derive(Debug, Clone, Copy)]
@@ -140,8 +141,10 @@ impl BertLayer {
         }
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
-        let (q, k, v) = qkv_projection(x, &self.query, &self.key, &self.value, train);
+    /// (B, T, C) -> (B, T, C), or (B, 1, C) for `Positions::First`.
+    fn forward(&self, x: &Tensor, mask: &Tensor, train: bool, positions: Positions) -> Tensor {
+        let projections = (&self.query, &self.key, &self.value);
+        let (q, k, v, x) = attention_inputs(x, projections, positions, train);
         let ctx = multi_head_attention(
             &q,
             &k,
@@ -156,7 +159,7 @@ impl BertLayer {
                 &self.attention_output.forward(&ctx),
                 self.hidden_dropout,
                 train,
-            ) + x),
+            ) + &x),
         );
         let inner = activate(self.activation, &self.intermediate.forward(&attended)); // (B, T, I)
         self.output_norm.forward(
@@ -196,10 +199,11 @@ impl BertEncoder {
 
     /// Returns the last hidden state, (B, T, C).
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> Tensor {
-        self.forward_staged(inputs, train, None)
+        self.forward_staged(inputs, train, None, Positions::All)
     }
 
-    /// As `forward`; with `boundaries`, each layer's input is cut from the graph (a leaf that
+    /// As `forward`, the last hidden state at the positions `read` ((B, 1, C) for the first
+    /// only); with `boundaries`, each layer's input is cut from the graph (a leaf that
     /// requires grad) and recorded with the tensor it was cut from, so backward can run layer
     /// by layer (see `TaskModel::forward_staged`).
     pub fn forward_staged(
@@ -207,6 +211,7 @@ impl BertEncoder {
         inputs: &EncoderInputs,
         train: bool,
         boundaries: Option<&mut Vec<Boundary>>,
+        read: Positions,
     ) -> Tensor {
         let mask = key_mask(&inputs.attention_mask);
         let embedded = self.embeddings.forward(inputs, train); // (B, T, E)
@@ -214,9 +219,13 @@ impl BertEncoder {
             Some(project) => project.forward(&embedded), // (B, T, C)
             None => embedded,
         };
-        run_stack(embedded, &self.layers, boundaries, |layer, x| {
-            layer.forward(x, &mask, train)
-        })
+        run_stack_reading(
+            embedded,
+            &self.layers,
+            boundaries,
+            read,
+            |layer, x, positions| layer.forward(x, &mask, train, positions),
+        )
     }
 }
 

@@ -6,9 +6,10 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, HfConfig};
 use super::layers::{
-    activate, dropout, key_mask, multi_head_attention, qkv_projection, Embedding, LayerNorm, Linear,
+    activate, attention_inputs, dropout, key_mask, multi_head_attention, Embedding, LayerNorm,
+    Linear, Positions,
 };
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack_reading, Boundary, EncoderInputs};
 
 /// `Embeddings`: word + position, LayerNorm, dropout (no token types).
 #[derive(Debug)]
@@ -124,8 +125,10 @@ impl TransformerBlock {
         }
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor, train: bool) -> Tensor {
-        let (q, k, v) = qkv_projection(x, &self.q_lin, &self.k_lin, &self.v_lin, train);
+    /// (B, T, C) -> (B, T, C), or (B, 1, C) for `Positions::First`.
+    fn forward(&self, x: &Tensor, mask: &Tensor, train: bool, positions: Positions) -> Tensor {
+        let projections = (&self.q_lin, &self.k_lin, &self.v_lin);
+        let (q, k, v, x) = attention_inputs(x, projections, positions, train);
         let ctx = multi_head_attention(
             &q,
             &k,
@@ -137,7 +140,7 @@ impl TransformerBlock {
         ); // (B, T, C)
         let sa = self
             .sa_layer_norm
-            .forward(&(self.out_lin.forward(&ctx) + x));
+            .forward(&(self.out_lin.forward(&ctx) + &x));
         let ffn = self
             .lin2
             .forward(&activate(self.activation, &self.lin1.forward(&sa)));
@@ -166,10 +169,11 @@ impl DistilBertEncoder {
 
     /// Returns the last hidden state, (B, T, C). Token type ids are ignored, as in transformers.
     pub fn forward(&self, inputs: &EncoderInputs, train: bool) -> Tensor {
-        self.forward_staged(inputs, train, None)
+        self.forward_staged(inputs, train, None, Positions::All)
     }
 
-    /// As `forward`; with `boundaries`, each layer's input is cut from the graph (a leaf that
+    /// As `forward`, the last hidden state at the positions `read` ((B, 1, C) for the first
+    /// only); with `boundaries`, each layer's input is cut from the graph (a leaf that
     /// requires grad) and recorded with the tensor it was cut from, so backward can run layer
     /// by layer (see `TaskModel::forward_staged`).
     pub fn forward_staged(
@@ -177,13 +181,15 @@ impl DistilBertEncoder {
         inputs: &EncoderInputs,
         train: bool,
         boundaries: Option<&mut Vec<Boundary>>,
+        read: Positions,
     ) -> Tensor {
         let mask = key_mask(&inputs.attention_mask);
-        run_stack(
+        run_stack_reading(
             self.embeddings.forward(&inputs.input_ids, train),
             &self.layers,
             boundaries,
-            |layer, x| layer.forward(x, &mask, train),
+            read,
+            |layer, x, positions| layer.forward(x, &mask, train, positions),
         )
     }
 }

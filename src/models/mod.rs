@@ -26,7 +26,7 @@ use distilbert::DistilBertEncoder;
 use gpt2::Gpt2Model;
 pub use hf_config::{Activation, Arch, HfConfig, ProblemType};
 pub use layers::KvCache;
-use layers::{activate, dropout, Embedding, LayerNorm, Linear};
+use layers::{activate, dropout, Embedding, LayerNorm, Linear, Positions};
 use llama::LlamaModel;
 use modernbert::{ModernBertModel, PredictionHead};
 
@@ -94,12 +94,30 @@ pub struct Boundary {
 /// Runs `layers` in order from `x`; with `boundaries`, cuts the graph at each layer's input
 /// (a leaf that requires grad) and records the cut, for backward by stages.
 fn run_stack<L>(
+    x: Tensor,
+    layers: &[L],
+    boundaries: Option<&mut Vec<Boundary>>,
+    forward: impl Fn(&L, &Tensor) -> Tensor,
+) -> Tensor {
+    run_stack_reading(x, layers, boundaries, Positions::All, |layer, x, _| {
+        forward(layer, x)
+    })
+}
+
+/// As [`run_stack`], the last layer computing only the positions `read` of its output.
+fn run_stack_reading<L>(
     mut x: Tensor,
     layers: &[L],
     mut boundaries: Option<&mut Vec<Boundary>>,
-    forward: impl Fn(&L, &Tensor) -> Tensor,
+    read: Positions,
+    forward: impl Fn(&L, &Tensor, Positions) -> Tensor,
 ) -> Tensor {
-    for layer in layers {
+    for (i, layer) in layers.iter().enumerate() {
+        let positions = if i + 1 == layers.len() {
+            read
+        } else {
+            Positions::All
+        };
         if let Some(b) = boundaries.as_deref_mut() {
             let leaf = x.detach().set_requires_grad(true);
             b.push(Boundary {
@@ -108,7 +126,7 @@ fn run_stack<L>(
             });
             x = leaf;
         }
-        x = forward(layer, &x);
+        x = forward(layer, &x, positions);
     }
     x
 }
@@ -116,7 +134,8 @@ fn run_stack<L>(
 /// A forward pass's results.
 #[derive(Debug)]
 pub struct ModelOutput {
-    /// Last hidden state, (B, T, C).
+    /// Last hidden state, (B, T, C); (B, 1, C), the first position only, under the
+    /// classification heads that read no other (`TaskModel::positions_read`).
     pub hidden: Tensor,
     /// Sequence classification (B, L); token classification (B, T, L); question answering
     /// (B, T, 2); masked and causal LM (B, T, V); the hidden state for the bare encoder.
@@ -595,19 +614,43 @@ impl TaskModel {
         (out, boundaries)
     }
 
+    /// The positions of the last hidden state the head reads: the first only for the
+    /// classification heads that pool the first token of BERT-like and DistilBERT encoders,
+    /// whose last layer then computes just that position.
+    fn positions_read(&self) -> Positions {
+        let first_token = matches!(
+            self.head_layers,
+            HeadLayers::Classifier(
+                ClassifierHead::Pooled { .. }
+                    | ClassifierHead::PreClassifier { .. }
+                    | ClassifierHead::DenseOut { .. }
+            )
+        );
+        let encoder = matches!(
+            self.backbone,
+            Backbone::Bert { .. } | Backbone::DistilBert(_)
+        );
+        if first_token && encoder {
+            Positions::First
+        } else {
+            Positions::All
+        }
+    }
+
     fn forward_impl(
         &self,
         inputs: &EncoderInputs,
         train: bool,
         boundaries: Option<&mut Vec<Boundary>>,
     ) -> ModelOutput {
+        let read = self.positions_read();
         let (hidden, pooled) = match &self.backbone {
             Backbone::Bert { encoder, pooler } => {
-                let hidden = encoder.forward_staged(inputs, train, boundaries);
+                let hidden = encoder.forward_staged(inputs, train, boundaries, read);
                 let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
                 (hidden, pooled)
             }
-            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries), None),
+            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries, read), None),
             Backbone::ModernBert(m) => (m.forward_staged(inputs, train, boundaries), None),
             Backbone::Deberta { encoder, pooler } => {
                 let hidden = encoder.forward_staged(inputs, train, boundaries);

@@ -152,17 +152,18 @@ struct SeededDropout : public torch::autograd::Function<SeededDropout> {
   }
 };
 
-// The (T, T) attention block of one (batch, head) pair: scores, softmax, dropout. Small enough
-// to stay in cache; called inside a parallel loop over pairs, so the ATen ops it uses run
-// single-threaded. `first` is the block's first element in the (B, H, T, T) mask numbering.
+// The (Tq, Tk) attention block of one (batch, head) pair: scores, softmax, dropout. Small
+// enough to stay in cache; called inside a parallel loop over pairs, so the ATen ops it uses
+// run single-threaded. `first` is the block's first element in the (B, H, Tq, Tk) mask
+// numbering.
 struct Block {
-  at::Tensor probs;    // (T, T) fp32 softmax
-  at::Tensor dropped;  // (T, T) probs with dropout applied and rescaled, in q's dtype
+  at::Tensor probs;    // (Tq, Tk) fp32 softmax
+  at::Tensor dropped;  // (Tq, Tk) probs with dropout applied and rescaled, in q's dtype
 };
 
 Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
                       double scale, double p, int64_t seed, int64_t first) {
-  // (T, D) q, k; (1, T) bias
+  // (Tq, D) q, (Tk, D) k; (1, Tk) or (Tq, Tk) bias
   at::Tensor scores = at::addmm(bias, q, k.t(), 1.0, scale);
   at::Tensor probs = at::softmax(scores, -1, at::kFloat);
   at::Tensor dropped = probs;
@@ -173,18 +174,18 @@ Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return {probs, dropped.to(q.scalar_type())};
 }
 
-// The whole (B H, T, T) attention at once: scores, softmax, dropout, as batched products. At
-// short lengths the per-pair blocks are too small for their ATen calls to pay (B H of them a
-// layer, each several dispatches) and batched products keep both threads busy; the (B H, T,
-// T) tensors this keeps for the length of one layer's call are small there. Element i of the
-// whole tensor is element i of the per-pair numbering (pair bh starts at bh T T), so both
-// paths draw the same mask.
+// The whole (B H, Tq, Tk) attention at once: scores, softmax, dropout, as batched products.
+// At short lengths the per-pair blocks are too small for their ATen calls to pay (B H of them
+// a layer, each several dispatches) and batched products keep both threads busy; the (B H,
+// Tq, Tk) tensors this keeps for the length of one layer's call are small there. Element i of
+// the whole tensor is element i of the per-pair numbering (pair bh starts at bh Tq Tk), so
+// both paths draw the same mask.
 struct Batched {
-  at::Tensor probs;    // (B H, T, T) fp32 softmax
-  at::Tensor dropped;  // (B H, T, T) probs with dropout applied and rescaled, in q's dtype
+  at::Tensor probs;    // (B H, Tq, Tk) fp32 softmax
+  at::Tensor dropped;  // (B H, Tq, Tk) probs with dropout applied and rescaled, in q's dtype
 };
 
-// q3, k3: (B H, T, D); bias: (B, rows, T), rows 1 or T.
+// q3: (B H, Tq, D), k3: (B H, Tk, D); bias: (B, rows, Tk), rows 1 or Tq.
 Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& bias,
                           int64_t h, double scale, double p, int64_t seed) {
   const int64_t b = bias.size(0), rows = bias.size(1), t = bias.size(2);
@@ -200,25 +201,27 @@ Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::
 }
 
 struct SeededAttention : public torch::autograd::Function<SeededAttention> {
-  // q, k, v: (B, H, T, D); bias: (B, 1, T) or (B, T, T) additive (0 or a large negative).
-  // `batched`: one set of batched products over all pairs instead of a loop over them.
+  // q: (B, H, Tq, D), k, v: (B, H, Tk, D) (Tq = Tk but where a layer computes only the
+  // positions its head reads); bias: (B, 1, Tk) or (B, Tq, Tk) additive (0 or a large
+  // negative). `batched`: one set of batched products over all pairs instead of a loop.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& bias, double p,
                             int64_t seed, bool batched) {
     at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     at::Tensor out;
     if (batched) {
-      Batched all = attention_batched(q.view({b * h, t, d}), k.view({b * h, t, d}), bias, h,
+      Batched all = attention_batched(q.view({b * h, tq, d}), k.view({b * h, tk, d}), bias, h,
                                       scale, p, seed);
-      out = at::bmm(all.dropped, v.view({b * h, t, d})).view({b, h, t, d});
+      out = at::bmm(all.dropped, v.view({b * h, tk, d})).view({b, h, tq, d});
     } else {
-      out = at::empty({b, h, t, d}, q.options());
+      out = at::empty({b, h, tq, d}, q.options());
       at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t i = bh / h, j = bh % h;
-          Block blk = attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * t * t);
+          Block blk =
+              attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * tq * tk);
           at::Tensor out_ij = out[i][j];
           at::mm_out(out_ij, blk.dropped, v[i][j]);
         }
@@ -238,32 +241,32 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
     const int64_t seed = ctx->saved_data["seed"].toInt();
     const bool batched = ctx->saved_data["batched"].toBool();
     at::Tensor grad_out = grads[0].contiguous();
-    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     at::Tensor gq, gk, gv;
     if (batched) {
-      at::Tensor q3 = q.view({b * h, t, d}), k3 = k.view({b * h, t, d}), v3 = v.view({b * h, t, d});
-      at::Tensor g = grad_out.view({b * h, t, d});
+      at::Tensor q3 = q.view({b * h, tq, d}), k3 = k.view({b * h, tk, d});
+      at::Tensor v3 = v.view({b * h, tk, d}), g = grad_out.view({b * h, tq, d});
       Batched all = attention_batched(q3, k3, bias, h, scale, p, seed);
-      gv = at::bmm(all.dropped.transpose(1, 2), g).view({b, h, t, d});
+      gv = at::bmm(all.dropped.transpose(1, 2), g).view({b, h, tk, d});
       at::Tensor g_probs = at::bmm(g, v3.transpose(1, 2)).to(at::kFloat).contiguous();
       if (p > 0.0) {
         Mask(p, seed).apply(g_probs, 0);
       }
       at::Tensor g_scores =
           at::_softmax_backward_data(g_probs, all.probs, -1, at::kFloat).to(q.scalar_type());
-      gq = at::bmm(g_scores, k3).view({b, h, t, d});
-      gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, t, d});
+      gq = at::bmm(g_scores, k3).view({b, h, tq, d});
+      gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, tk, d});
     } else {
       gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
       at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t i = bh / h, j = bh % h;
-          const int64_t first = bh * t * t;
+          const int64_t first = bh * tq * tk;
           at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
           Block blk = attention_block(q_ij, k_ij, bias[i], scale, p, seed, first);
           at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
-          at::mm_out(gv_ij, blk.dropped.t(), g);  // (T, D)
+          at::mm_out(gv_ij, blk.dropped.t(), g);  // (Tk, D)
           at::Tensor g_probs = at::mm(g, v[i][j].t()).to(at::kFloat);
           if (p > 0.0) {
             Mask(p, seed).apply(g_probs, first);
@@ -290,10 +293,11 @@ at::Tensor* sprtrain_seeded_dropout(const at::Tensor* x, double p, int64_t seed,
   return sprtrain_ffi::guarded(error, [&] { return SeededDropout::apply(*x, p, seed); });
 }
 
-// Scaled dot-product attention of (B, H, T, D) q, k, v over the keys where key_mask (B, 1, 1,
-// T), (B, T) or, per query, (B, 1, T, T), boolean, is true, with dropout p on the probabilities
-// drawn from `seed`. Batched products when the (B, H, T, T) scores have at most
-// `batched_up_to` elements, else a loop over (batch, head) pairs. Returns (B, H, T, D).
+// Scaled dot-product attention of (B, H, Tq, D) q and (B, H, Tk, D) k, v over the keys where
+// key_mask (B, 1, 1, Tk), (B, Tk) or, per query, (B, 1, Tq, Tk), boolean, is true, with
+// dropout p on the probabilities drawn from `seed`. Batched products when the (B, H, Tq, Tk)
+// scores have at most `batched_up_to` elements, else a loop over (batch, head) pairs. Returns
+// (B, H, Tq, D).
 at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
                                       const at::Tensor* v, const at::Tensor* key_mask, double p,
                                       int64_t seed, int64_t batched_up_to, char** error) {

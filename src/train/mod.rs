@@ -14,6 +14,7 @@
 mod dataset;
 pub mod eval;
 mod grad_sync;
+pub mod profile;
 pub mod setup;
 mod window;
 
@@ -40,6 +41,7 @@ use crate::tensorboard::EventWriter;
 use dataset::resolve_data;
 use eval::{evaluate, write_eval_results, EvalOptions};
 use grad_sync::{agree_and_broadcast, GradSync};
+use profile::StepProfiler;
 use setup::{on_every_rank, prepare, prepare_output_dir, resolve_model, set_up_numerics};
 use window::{StepOutcome, StepTimes, StepWindow};
 
@@ -197,6 +199,8 @@ pub struct Trainer<'a> {
     interrupted: Option<i32>,
     /// The newest checkpoint this run saved (rank 0).
     last_checkpoint: Option<PathBuf>,
+    /// libtorch's operator profile over `runtime.profile_steps` steps (rank 0).
+    profiler: Option<StepProfiler>,
 }
 
 impl<'a> Trainer<'a> {
@@ -265,6 +269,10 @@ impl<'a> Trainer<'a> {
         let tensorboard = (root && config.train.report_to.iter().any(|r| r == "tensorboard"))
             .then(|| EventWriter::create(&out.join("runs")))
             .transpose()?;
+        let runtime = &config.runtime;
+        let profiler = root
+            .then(|| StepProfiler::new(runtime.profile_start_step, runtime.profile_steps, &out))
+            .flatten();
         Ok(Trainer {
             config,
             dist,
@@ -294,6 +302,7 @@ impl<'a> Trainer<'a> {
             stop: false,
             interrupted: None,
             last_checkpoint: None,
+            profiler,
         })
     }
 
@@ -305,9 +314,18 @@ impl<'a> Trainer<'a> {
             let batches = self.plan.epoch(&self.lengths, self.state.epoch);
             let mut epoch_done = false;
             for (index, global) in batches.iter().enumerate().skip(self.state.batch_in_epoch) {
+                if let Some(profiler) = &mut self.profiler {
+                    profiler.before_step(self.state.global_step as u64 + 1)?;
+                }
                 let outcome = self.step(global)?;
                 epoch_done = self.advance(index, batches.len());
                 let last = self.state.global_step == self.total_steps;
+                if let Some(profiler) = &mut self.profiler {
+                    let step = self.state.global_step as u64;
+                    if let Some(table) = profiler.after_step(step, last || self.stop)? {
+                        tracing::info!("operator profile: {}", table.display());
+                    }
+                }
                 let epoch = self.state.epoch as f64
                     + self.state.batch_in_epoch as f64 / batches.len() as f64;
                 if outcome.signal.is_some() {
