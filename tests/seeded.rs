@@ -134,7 +134,7 @@ fn compare(p: f64, kind: Kind, tolerance: f64) {
 /// As `compare`, with `queries` queries (the first positions) against all 37 keys.
 fn compare_queries(p: f64, kind: Kind, tolerance: f64, queries: i64) {
     for (path, batched_up_to) in PATHS {
-        compare_on(p, kind, tolerance, batched_up_to, path, queries);
+        compare_on(p, kind, tolerance, batched_up_to, path, queries, false);
     }
 }
 
@@ -158,10 +158,29 @@ fn attention_inputs(kind: Kind, queries: i64) -> (Tensor, Tensor, Tensor, Tensor
     (q, k, v, keys, grad_out)
 }
 
-fn compare_on(p: f64, kind: Kind, tolerance: f64, batched_up_to: i64, path: &str, queries: i64) {
+/// `causal`: each query also sees only the keys up to its own position, a (B, 1, Tq, T) mask
+/// whose every row differs, as decoders pass.
+fn compare_on(
+    p: f64,
+    kind: Kind,
+    tolerance: f64,
+    batched_up_to: i64,
+    path: &str,
+    queries: i64,
+    causal: bool,
+) {
     let (q, k, v, keys, grad_out) = attention_inputs(kind, queries);
     let (b, h, tq, _) = q.size4().unwrap();
     let t = k.size()[2];
+    let keys = if causal {
+        let positions = Tensor::arange(t, (Kind::Int64, CPU));
+        let earlier = positions
+            .view([1, t])
+            .le_tensor(&positions.narrow(0, 0, tq).view([tq, 1]));
+        keys.logical_and(&earlier.view([1, 1, tq, t]))
+    } else {
+        keys
+    };
     let seed = 1234;
     let out = seeded_attention_with(&q, &k, &v, &keys, p, seed, batched_up_to);
     (&out.to_kind(Kind::Float) * &grad_out)
@@ -219,6 +238,16 @@ fn attention_of_fewer_queries_than_keys_equals_plain_attention() {
     for queries in [1, 5] {
         compare_queries(0.0, Kind::Float, 1e-5, queries);
         compare_queries(0.2, Kind::Float, 1e-5, queries);
+    }
+}
+
+/// Per-query masks (causal, over padding): the bias row each query reads is its own.
+#[test]
+fn causal_attention_equals_plain_attention() {
+    for (path, batched_up_to) in PATHS {
+        for p in [0.0, 0.2] {
+            compare_on(p, Kind::Float, 1e-5, batched_up_to, path, 37, true);
+        }
     }
 }
 

@@ -15,10 +15,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "ffi.h"
 
@@ -152,44 +154,289 @@ struct SeededDropout : public torch::autograd::Function<SeededDropout> {
   }
 };
 
-// The (Tq, Tk) attention block of one (batch, head) pair: scores, softmax, dropout. Small
-// enough to stay in cache; called inside a parallel loop over pairs, so the ATen ops it uses
-// run single-threaded. `first` is the block's first element in the (B, H, Tq, Tk) mask
-// numbering.
-struct Block {
-  at::Tensor probs;    // (Tq, Tk) fp32 softmax
-  at::Tensor dropped;  // (Tq, Tk) probs with dropout applied and rescaled, in q's dtype
-};
+// Row kernels of the per-pair attention: softmax with dropout, and the softmax gradient, over
+// one row of a (Tq, Tk) block in one pass each, in fp32, where ATen took a softmax, the mask and
+// three dtype casts as separate passes (a quarter of a bf16 DistilBERT step at seq 384). Written
+// on GCC's vectors of 16 floats (one AVX-512 register, two AVX2 ones), so they vectorise on
+// every target without -ffast-math; a row's last n % 16 elements go through a padded chunk.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+#define SPRTRAIN_INLINE inline __attribute__((always_inline))
 
-Block attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
-                      double scale, double p, int64_t seed, int64_t first) {
-  // (Tq, D) q, (Tk, D) k; (1, Tk) or (Tq, Tk) bias
-  at::Tensor scores = at::addmm(bias, q, k.t(), 1.0, scale);
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat);
-  at::Tensor dropped = probs;
-  if (p > 0.0) {
-    dropped = at::empty_like(probs);
-    Mask(p, seed).apply(probs, dropped, first);
-  }
-  return {probs, dropped.to(q.scalar_type())};
+SPRTRAIN_INLINE f32x16 splat(float x) { return f32x16{} + x; }
+
+SPRTRAIN_INLINE f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-// The whole (B H, Tq, Tk) attention at once: scores, softmax, dropout, as batched products.
-// At short lengths the per-pair blocks are too small for their ATen calls to pay (B H of them
-// a layer, each several dispatches) and batched products keep both threads busy; the (B H,
-// Tq, Tk) tensors this keeps for the length of one layer's call are small there. Element i of
-// the whole tensor is element i of the per-pair numbering (pair bh starts at bh Tq Tk), so
-// both paths draw the same mask.
+SPRTRAIN_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// e^x for x <= 0 to about 1 ulp: Cephes' expf (x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial in r, 2^n through the exponent bits), and 0 below -87.3 where e^x turns subnormal.
+SPRTRAIN_INLINE f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lowest = splat(-87.3f);
+  const f32x16 clamped = x < lowest ? lowest : x;
+  const f32x16 t = clamped * 1.44269504088896341f + 0.5f;
+  i32x16 n = __builtin_convertvector(t, i32x16);  // toward zero: floor(t) below
+  f32x16 nf = __builtin_convertvector(n, f32x16);
+  n += (nf > t);  // -1 where truncation rounded up
+  nf = __builtin_convertvector(n, f32x16);
+  f32x16 r = clamped - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  f32x16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const i32x16 bits = (n + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < lowest ? splat(0.0f) : y * two_n;
+}
+
+SPRTRAIN_INLINE float lane_max(f32x16 v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+SPRTRAIN_INLINE float lane_sum(f32x16 v) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// row = softmax(scale * row + bias) in place; row and bias hold n elements.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void softmax_row(float* row, const float* bias, float scale, int64_t n) {
+  const int64_t full = n - n % kLanes;
+  // The tail, padded with -inf: it adds nothing to the maximum or the sum.
+  alignas(64) float tail[kLanes], tail_bias[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    tail[l] = full + l < n ? row[full + l] : -INFINITY;
+    tail_bias[l] = full + l < n ? bias[full + l] : 0.0f;
+  }
+  f32x16 max = splat(-INFINITY);
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 x = load16(row + j) * scale + load16(bias + j);
+    store16(row + j, x);
+    max = x > max ? x : max;
+  }
+  const f32x16 x_tail = load16(tail) * scale + load16(tail_bias);
+  if (full < n) max = x_tail > max ? x_tail : max;
+  const f32x16 row_max = splat(lane_max(max));
+  f32x16 sum = splat(0.0f);
+  for (int64_t j = 0; j < full; j += kLanes) {
+    const f32x16 e = exp_nonpositive(load16(row + j) - row_max);
+    store16(row + j, e);
+    sum += e;
+  }
+  const f32x16 e_tail = exp_nonpositive(x_tail - row_max);
+  if (full < n) sum += e_tail;
+  const float inv = 1.0f / lane_sum(sum);
+  for (int64_t j = 0; j < full; j += kLanes) store16(row + j, load16(row + j) * inv);
+  for (int64_t j = full; j < n; ++j) row[j] = e_tail[j - full] * inv;
+}
+
+// grad = (grad - <grad, probs>) * probs * scale in place: the gradient of the scores from that
+// of the probabilities, times the score scale.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void softmax_grad_row(const float* probs, float* grad, float scale, int64_t n) {
+  const int64_t full = n - n % kLanes;
+  alignas(64) float tail[kLanes], tail_probs[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    tail[l] = full + l < n ? grad[full + l] : 0.0f;
+    tail_probs[l] = full + l < n ? probs[full + l] : 0.0f;
+  }
+  f32x16 dot = load16(tail) * load16(tail_probs);
+  for (int64_t j = 0; j < full; j += kLanes) dot += load16(grad + j) * load16(probs + j);
+  const f32x16 total = splat(lane_sum(dot));
+  for (int64_t j = 0; j < full; j += kLanes) {
+    store16(grad + j, (load16(grad + j) - total) * load16(probs + j) * scale);
+  }
+  const f32x16 g_tail = (load16(tail) - total) * load16(tail_probs) * scale;
+  for (int64_t j = full; j < n; ++j) grad[j] = g_tail[j - full];
+}
+
+// bf16 (raw bits) to fp32 and back, rounding to nearest-even as c10::BFloat16 does (NaN to
+// 0x7FC0).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void bf16_to_f32(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(src[j]) << 16;
+    std::memcpy(dst + j, &bits, sizeof bits);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void f32_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, src + j, sizeof bits);
+    const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+    dst[j] = src[j] != src[j] ? uint16_t{0x7FC0} : rounded;
+  }
+}
+
+// Rows of a contiguous (rows, n) block in its dtype, read into and written from fp32: bf16 and
+// fp32 directly, any other floating dtype through ATen.
+struct BlockRows {
+  at::Tensor block;
+  int64_t n;
+
+  void load(int64_t r, float* dst) const {
+    if (block.scalar_type() == at::kFloat) {
+      std::memcpy(dst, block.const_data_ptr<float>() + r * n, n * sizeof(float));
+    } else if (block.scalar_type() == at::kBFloat16) {
+      bf16_to_f32(reinterpret_cast<const uint16_t*>(block.const_data_ptr<at::BFloat16>()) + r * n,
+                  dst, n);
+    } else {
+      at::from_blob(dst, {n}, at::kFloat).copy_(block[r]);
+    }
+  }
+
+  void store(const float* src, int64_t r) const {
+    if (block.scalar_type() == at::kFloat) {
+      std::memcpy(block.data_ptr<float>() + r * n, src, n * sizeof(float));
+    } else if (block.scalar_type() == at::kBFloat16) {
+      f32_to_bf16(src, reinterpret_cast<uint16_t*>(block.mutable_data_ptr<at::BFloat16>()) + r * n,
+                  n);
+    } else {
+      block[r].copy_(at::from_blob(const_cast<float*>(src), {n}, at::kFloat));
+    }
+  }
+};
+
+// What every row of an attention call shares: the key bias in fp32, the shapes that place a
+// row, the score scale and the dropout. Rows are numbered over the whole (B, H, Tq) call: row
+// g is query g % Tq of pair g / Tq (batch g / (Tq H)), and its dropout mask starts at element
+// g Tk of the (B, H, Tq, Tk) numbering, on either path.
+struct RowParams {
+  const float* bias;  // (B, bias_rows, Tk) fp32
+  int64_t bias_rows;  // 1, or Tq: one bias row per query
+  int64_t heads, tq, tk;
+  float scale;
+  double p;
+  Mask mask;
+
+  const float* bias_of(int64_t g) const {
+    const int64_t batch = g / (tq * heads);
+    return bias + (batch * bias_rows + (bias_rows == 1 ? 0 : g % tq)) * tk;
+  }
+
+  // x *= the dropout mask of row g (a no-op without dropout); x may be dst.
+  void drop(int64_t g, const float* x, float* dst) const {
+    if (p > 0.0) {
+      mask_f32(x, dst, tk, static_cast<uint32_t>(g * tk), mask.key0, mask.key1, mask.keep_below,
+               mask.scale);
+    } else if (dst != x) {
+      std::memcpy(dst, x, tk * sizeof(float));
+    }
+  }
+};
+
+// fp32 rows of Tk for the row passes.
+struct RowScratch {
+  std::vector<float> row, dropped;
+  explicit RowScratch(int64_t tk) : row(tk), dropped(tk) {}
+};
+
+// Rows [begin, end) of `scores` (raw q k^T products, rows numbered from first_row): the dropped
+// probabilities in place, and the fp32 probabilities into `probs` (indexed as scores) where it
+// is not null.
+void softmax_dropout_rows(const BlockRows& scores, int64_t begin, int64_t end, int64_t first_row,
+                          const RowParams& rp, float* probs, RowScratch& s) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t g = first_row + r;
+    float* x = probs != nullptr ? probs + r * rp.tk : s.row.data();
+    scores.load(r, x);
+    softmax_row(x, rp.bias_of(g), rp.scale, rp.tk);
+    rp.drop(g, x, s.dropped.data());
+    scores.store(s.dropped.data(), r);
+  }
+}
+
+// Rows [begin, end) of `grads`, the gradient of the dropped probabilities, turned in place into
+// the gradient of the raw products (the score scale included), with the fp32 `probs` of
+// softmax_dropout_rows.
+void softmax_grad_rows(const BlockRows& grads, int64_t begin, int64_t end, int64_t first_row,
+                       const RowParams& rp, const float* probs, RowScratch& s) {
+  float* g = s.row.data();
+  for (int64_t r = begin; r < end; ++r) {
+    grads.load(r, g);
+    rp.drop(first_row + r, g, g);
+    softmax_grad_row(probs + r * rp.tk, g, rp.scale, rp.tk);
+    grads.store(g, r);
+  }
+}
+
+// Runs body(pair, scratch) for every pair in [0, pairs) on ATen's threads, each thread taking
+// the next pair as it finishes one, with scratch made once a thread by make_scratch(). A static
+// split (half the pairs a thread) left a thread spinning at the end whenever the other's core
+// ran slower, which on a shared VM is most calls.
+template <typename MakeScratch, typename Body>
+void for_each_pair(int64_t pairs, MakeScratch make_scratch, Body body) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto scratch = make_scratch();
+    for (int64_t pair = next.fetch_add(1); pair < pairs; pair = next.fetch_add(1)) {
+      body(pair, scratch);
+    }
+  });
+}
+
+// One thread's scratch on the per-pair path, reused over the pairs it takes: (Tq, Tk) blocks
+// in the inputs' dtype for the scores and their gradient, fp32 probabilities (backward) and rows.
+struct PairScratch {
+  at::Tensor scores, grad_scores;
+  std::vector<float> probs;
+  RowScratch rows;
+
+  PairScratch(const at::Tensor& like, int64_t tq, int64_t tk, bool backward)
+      : scores(at::empty({tq, tk}, like.options())),
+        grad_scores(backward ? at::empty({tq, tk}, like.options()) : at::Tensor()),
+        probs(backward ? tq * tk : 0),
+        rows(tk) {}
+};
+
+// The per-pair path's (Tq, Tk) block of pair bh: the dropped probabilities into s.scores and,
+// in backward, the fp32 probabilities into s.probs. q (Tq, D), k (Tk, D).
+void attention_block(const at::Tensor& q, const at::Tensor& k, int64_t bh, const RowParams& rp,
+                     bool backward, PairScratch& s) {
+  at::mm_out(s.scores, q, k.t());
+  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, 0, rp.tq, bh * rp.tq, rp,
+                       backward ? s.probs.data() : nullptr, s.rows);
+}
+
+// The whole (B H, Tq, Tk) attention at once as batched products, with ATen's softmax, the mask
+// and the casts over whole tensors: at short lengths (sentences) its passes over many short
+// rows beat the row kernels' per-row calls. Element i of the whole tensor is element i of the
+// per-pair numbering, so both paths draw the same mask.
 struct Batched {
   at::Tensor probs;    // (B H, Tq, Tk) fp32 softmax
   at::Tensor dropped;  // (B H, Tq, Tk) probs with dropout applied and rescaled, in q's dtype
 };
 
-// q3: (B H, Tq, D), k3: (B H, Tk, D); bias: (B, rows, Tk), rows 1 or Tq.
+// q3: (B H, Tq, D), k3: (B H, Tk, D); bias: (B, rows, Tk) fp32, rows 1 or Tq.
 Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& bias,
                           int64_t h, double scale, double p, int64_t seed) {
   const int64_t b = bias.size(0), rows = bias.size(1), t = bias.size(2);
-  at::Tensor bias3 = bias.unsqueeze(1).expand({b, h, rows, t}).reshape({b * h, rows, t});
+  at::Tensor bias3 =
+      bias.to(q3.scalar_type()).unsqueeze(1).expand({b, h, rows, t}).reshape({b * h, rows, t});
   at::Tensor scores = at::baddbmm(bias3, q3, k3.transpose(1, 2), 1.0, scale);
   at::Tensor probs = at::softmax(scores, -1, at::kFloat);
   at::Tensor dropped = probs;
@@ -202,30 +449,31 @@ Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::
 
 struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   // q: (B, H, Tq, D), k, v: (B, H, Tk, D) (Tq = Tk but where a layer computes only the
-  // positions its head reads); bias: (B, 1, Tk) or (B, Tq, Tk) additive (0 or a large
-  // negative). `batched`: one set of batched products over all pairs instead of a loop.
+  // positions its head reads); bias: (B, 1, Tk) or (B, Tq, Tk) fp32 additive (0 or a large
+  // negative). `batched`: one set of batched products over all pairs, at short lengths where
+  // per-pair calls cost more than their arithmetic, instead of a loop over pairs that keeps
+  // each block in cache.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& bias, double p,
                             int64_t seed, bool batched) {
     at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const RowParams rp = row_params(bias, h, tq, tk, d, p, seed);
     at::Tensor out;
     if (batched) {
       Batched all = attention_batched(q.view({b * h, tq, d}), k.view({b * h, tk, d}), bias, h,
-                                      scale, p, seed);
+                                      rp.scale, p, seed);
       out = at::bmm(all.dropped, v.view({b * h, tk, d})).view({b, h, tq, d});
     } else {
       out = at::empty({b, h, tq, d}, q.options());
-      at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t i = bh / h, j = bh % h;
-          Block blk =
-              attention_block(q[i][j], k[i][j], bias[i], scale, p, seed, bh * tq * tk);
-          at::Tensor out_ij = out[i][j];
-          at::mm_out(out_ij, blk.dropped, v[i][j]);
-        }
-      });
+      for_each_pair(
+          b * h, [&] { return PairScratch(q, tq, tk, false); },
+          [&](int64_t bh, PairScratch& s) {
+            const int64_t i = bh / h, j = bh % h;
+            attention_block(q[i][j], k[i][j], bh, rp, false, s);
+            at::Tensor out_ij = out[i][j];
+            at::mm_out(out_ij, s.scores, v[i][j]);
+          });
     }
     ctx->save_for_backward({q, k, v, bias});
     ctx->saved_data["p"] = p;
@@ -242,12 +490,12 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
     const bool batched = ctx->saved_data["batched"].toBool();
     at::Tensor grad_out = grads[0].contiguous();
     const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const RowParams rp = row_params(bias, h, tq, tk, d, p, seed);
     at::Tensor gq, gk, gv;
     if (batched) {
       at::Tensor q3 = q.view({b * h, tq, d}), k3 = k.view({b * h, tk, d});
       at::Tensor v3 = v.view({b * h, tk, d}), g = grad_out.view({b * h, tq, d});
-      Batched all = attention_batched(q3, k3, bias, h, scale, p, seed);
+      Batched all = attention_batched(q3, k3, bias, h, rp.scale, p, seed);
       gv = at::bmm(all.dropped.transpose(1, 2), g).view({b, h, tk, d});
       at::Tensor g_probs = at::bmm(g, v3.transpose(1, 2)).to(at::kFloat).contiguous();
       if (p > 0.0) {
@@ -255,32 +503,39 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
       }
       at::Tensor g_scores =
           at::_softmax_backward_data(g_probs, all.probs, -1, at::kFloat).to(q.scalar_type());
-      gq = at::bmm(g_scores, k3).view({b, h, tq, d});
-      gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, tk, d});
+      gq = at::bmm(g_scores, k3).view({b, h, tq, d}).mul_(rp.scale);
+      gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, tk, d}).mul_(rp.scale);
     } else {
       gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
-      at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t i = bh / h, j = bh % h;
-          const int64_t first = bh * tq * tk;
-          at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
-          Block blk = attention_block(q_ij, k_ij, bias[i], scale, p, seed, first);
-          at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
-          at::mm_out(gv_ij, blk.dropped.t(), g);  // (Tk, D)
-          at::Tensor g_probs = at::mm(g, v[i][j].t()).to(at::kFloat);
-          if (p > 0.0) {
-            Mask(p, seed).apply(g_probs, first);
-          }
-          at::Tensor g_scores =
-              at::_softmax_backward_data(g_probs, blk.probs, -1, at::kFloat).to(q.scalar_type());
-          at::mm_out(gq_ij, g_scores, k_ij);
-          at::mm_out(gk_ij, g_scores.t(), q_ij);
-        }
-      });
+      for_each_pair(
+          b * h, [&] { return PairScratch(q, tq, tk, true); },
+          [&](int64_t bh, PairScratch& s) {
+            const int64_t i = bh / h, j = bh % h;
+            at::Tensor q_ij = q[i][j], k_ij = k[i][j], g = grad_out[i][j];
+            attention_block(q_ij, k_ij, bh, rp, true, s);
+            at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
+            at::mm_out(gv_ij, s.scores.t(), g);  // (Tk, D)
+            at::mm_out(s.grad_scores, g, v[i][j].t());
+            softmax_grad_rows(BlockRows{s.grad_scores, tk}, 0, tq, bh * tq, rp, s.probs.data(),
+                              s.rows);
+            at::mm_out(gq_ij, s.grad_scores, k_ij);
+            at::mm_out(gk_ij, s.grad_scores.t(), q_ij);
+          });
     }
-    gq.mul_(scale);
-    gk.mul_(scale);
     return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  // `bias` must be contiguous fp32 and outlive the returned parameters.
+  static RowParams row_params(const at::Tensor& bias, int64_t h, int64_t tq, int64_t tk,
+                              int64_t d, double p, int64_t seed) {
+    return RowParams{bias.const_data_ptr<float>(),
+                     bias.size(1),
+                     h,
+                     tq,
+                     tk,
+                     static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+                     p,
+                     Mask(p, seed)};
   }
 };
 
@@ -307,7 +562,7 @@ at::Tensor* sprtrain_seeded_attention(const at::Tensor* q, const at::Tensor* k,
     const int64_t rows = key_mask->dim() == 4 ? key_mask->size(2) : 1;
     // A large finite negative rather than -inf: a row with no key left gets uniform weights,
     // not NaN (it is in range for bf16 too).
-    at::Tensor bias = at::zeros({b, rows, t}, q->options().requires_grad(false));
+    at::Tensor bias = at::zeros({b, rows, t}, q->options().dtype(at::kFloat).requires_grad(false));
     bias.masked_fill_(key_mask->logical_not().reshape({b, rows, t}), at::Scalar(-3.0e38));
     const int64_t scores = q->size(0) * q->size(1) * q->size(2) * k->size(2);
     return SeededAttention::apply(*q, *k, *v, bias, p, seed, scores <= batched_up_to);
