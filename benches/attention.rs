@@ -1,7 +1,9 @@
 //! Seeded attention's forward and backward at the benchmark's shapes (src/models/seeded.cpp):
-//! DistilBERT-base QA, batch 8, seq 384, 12 heads of 64, dropout 0.1, in fp32 and bf16, on the
-//! per-pair path the model takes there; and MiniLM's short sentences (batch 32, seq 48, 12
-//! heads of 32) on the batched path.
+//! DistilBERT-base QA, batch 8, seq 384, 12 heads of 64, dropout 0.1, in fp32 and bf16, and
+//! MiniLM's short sentences (batch 32, seq 48, 12 heads of 32), each on both paths (the loop
+//! over (batch, head) pairs and the batched products; the model takes the per-pair path at seq
+//! 384 and the batched one at seq 48), and libtorch's fused scaled_dot_product_attention on the
+//! same shapes without dropout (what a layer runs where dropout is 0) as a yardstick.
 //!
 //!   cargo bench --bench attention
 //!
@@ -11,11 +13,20 @@
 
 use std::time::Instant;
 
-use sprtrain::models::layers::{key_mask, seeded_attention_with, SEEDED_BATCHED_UP_TO};
+use sprtrain::models::layers::{key_mask, seeded_attention_with};
 use tch::{Device, Kind, Tensor};
 
+/// How a pass computes attention.
+#[derive(Clone, Copy)]
+enum Kernel {
+    /// Seeded attention, dropout 0.1, batched when the scores have at most this many elements.
+    Seeded(i64),
+    /// libtorch's scaled_dot_product_attention, no dropout.
+    Fused,
+}
+
 /// Median and best seconds of `reps` forward + backward passes, after 2 warm-up passes.
-fn time_pass(shape: [i64; 4], kind: Kind, reps: usize) -> (f64, f64) {
+fn time_pass(shape: [i64; 4], kind: Kind, kernel: Kernel, reps: usize) -> (f64, f64) {
     let [b, h, t, d] = shape;
     tch::manual_seed(0);
     let leaf = || {
@@ -40,7 +51,21 @@ fn time_pass(shape: [i64; 4], kind: Kind, reps: usize) -> (f64, f64) {
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps + 2 {
         let start = Instant::now();
-        let out = seeded_attention_with(&q, &k, &v, &keys, 0.1, rep as i64, SEEDED_BATCHED_UP_TO);
+        let out = match kernel {
+            Kernel::Seeded(batched_up_to) => {
+                seeded_attention_with(&q, &k, &v, &keys, 0.1, rep as i64, batched_up_to)
+            }
+            Kernel::Fused => Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(&keys),
+                0.0,
+                false,
+                None,
+                false,
+            ),
+        };
         (&out * &grad_out).sum(Kind::Float).backward();
         if rep >= 2 {
             times.push(start.elapsed().as_secs_f64());
@@ -61,19 +86,31 @@ fn main() {
     tch::set_num_threads(threads);
     for (name, shape, reps) in [
         ("DistilBERT QA, seq 384", [8, 12, 384, 64], 10),
+        (
+            "DistilBERT QA, length-grouped windows of 192",
+            [8, 12, 192, 64],
+            20,
+        ),
         ("MiniLM sentences, seq 48", [32, 12, 48, 32], 50),
     ] {
         for kind in [Kind::Float, Kind::BFloat16] {
-            let (median, best) = time_pass(shape, kind, reps);
-            let [b, h, t, d] = shape;
-            // Seven (T x T x D) products a pass, 2 flops per multiply-add.
-            let flops = 7.0 * 2.0 * (b * h * t * t * d) as f64;
-            println!(
-                "{name} {kind:?}, {threads} threads: forward + backward median {:.1} ms, best {:.1} ms over {reps}; products at {:.0} GFLOP/s",
-                median * 1e3,
-                best * 1e3,
-                flops / median / 1e9
-            );
+            for (path, kernel) in [
+                ("per pair", Kernel::Seeded(0)),
+                ("batched", Kernel::Seeded(i64::MAX)),
+                ("libtorch fused, no dropout", Kernel::Fused),
+            ] {
+                let (median, best) = time_pass(shape, kind, kernel, reps);
+                let [b, h, t, d] = shape;
+                // Seven (T x T x D) products a pass (the fused kernel's backward recomputes the
+                // scores too), 2 flops per multiply-add.
+                let flops = 7.0 * 2.0 * (b * h * t * t * d) as f64;
+                println!(
+                    "{name}, {kind:?}, {path}, {threads} threads: forward + backward median {:.1} ms, best {:.1} ms over {reps}; products at {:.0} GFLOP/s",
+                    median * 1e3,
+                    best * 1e3,
+                    flops / median / 1e9
+                );
+            }
         }
     }
 }
