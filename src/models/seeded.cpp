@@ -44,6 +44,22 @@ inline uint32_t draw(uint32_t key0, uint32_t key1, uint32_t index) {
   return lowbias32(lowbias32(index ^ key0) + key1);
 }
 
+// bf16 (raw bits) to fp32, and fp32 to bf16 rounding to nearest-even as c10::BFloat16 does
+// (NaN to 0x7FC0). Inline, so the loops that call them vectorise.
+inline float bf16_bits_to_f32(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+inline uint16_t f32_to_bf16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+  return value != value ? uint16_t{0x7FC0} : rounded;
+}
+
 // dst[j] = src[j] * mask(first + j) for j < n (dst may be src), fp32: the hot loop, compiled
 // for AVX-512, AVX2 and baseline x86-64 and picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -67,14 +83,7 @@ void mask_bf16(const uint16_t* src, uint16_t* dst, int64_t n, uint32_t first, ui
                uint32_t key1, uint32_t keep_below, float scale) {
   for (int64_t j = 0; j < n; ++j) {
     const bool keep = draw(key0, key1, first + static_cast<uint32_t>(j)) < keep_below;
-    const uint32_t in_bits = static_cast<uint32_t>(src[j]) << 16;
-    float value;
-    std::memcpy(&value, &in_bits, sizeof value);
-    value *= scale;
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof bits);
-    const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
-    const uint16_t out = value != value ? uint16_t{0x7FC0} : rounded;
+    const uint16_t out = f32_to_bf16_bits(bf16_bits_to_f32(src[j]) * scale);
     dst[j] = keep ? out : uint16_t{0};
   }
 }
@@ -156,7 +165,7 @@ struct SeededDropout : public torch::autograd::Function<SeededDropout> {
 
 // Row kernels of the per-pair attention: softmax with dropout, and the softmax gradient, over
 // one row of a (Tq, Tk) block in one pass each, in fp32, where ATen took a softmax, the mask and
-// three dtype casts as separate passes (a quarter of a bf16 DistilBERT step at seq 384). Written
+// three dtype casts as separate passes (a sixth of a bf16 DistilBERT step at seq 384). Written
 // on GCC's vectors of 16 floats (one AVX-512 register, two AVX2 ones), so they vectorise on
 // every target without -ffast-math; a row's last n % 16 elements go through a padded chunk.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -267,32 +276,23 @@ void softmax_grad_row(const float* probs, float* grad, float scale, int64_t n) {
   for (int64_t j = full; j < n; ++j) grad[j] = g_tail[j - full];
 }
 
-// bf16 (raw bits) to fp32 and back, rounding to nearest-even as c10::BFloat16 does (NaN to
-// 0x7FC0).
+// Rows of n elements of bf16 (raw bits) to fp32 and back.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void bf16_to_f32(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t bits = static_cast<uint32_t>(src[j]) << 16;
-    std::memcpy(dst + j, &bits, sizeof bits);
-  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = bf16_bits_to_f32(src[j]);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void f32_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    uint32_t bits;
-    std::memcpy(&bits, src + j, sizeof bits);
-    const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
-    dst[j] = src[j] != src[j] ? uint16_t{0x7FC0} : rounded;
-  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16_bits(src[j]);
 }
 
-// Rows of a contiguous (rows, n) block in its dtype, read into and written from fp32: bf16 and
-// fp32 directly, any other floating dtype through ATen.
+// Rows of a contiguous (rows, n) fp32 or bf16 block (the dtypes training runs in), read into
+// and written from fp32.
 struct BlockRows {
   at::Tensor block;
   int64_t n;
@@ -300,30 +300,26 @@ struct BlockRows {
   void load(int64_t r, float* dst) const {
     if (block.scalar_type() == at::kFloat) {
       std::memcpy(dst, block.const_data_ptr<float>() + r * n, n * sizeof(float));
-    } else if (block.scalar_type() == at::kBFloat16) {
+    } else {
       bf16_to_f32(reinterpret_cast<const uint16_t*>(block.const_data_ptr<at::BFloat16>()) + r * n,
                   dst, n);
-    } else {
-      at::from_blob(dst, {n}, at::kFloat).copy_(block[r]);
     }
   }
 
   void store(const float* src, int64_t r) const {
     if (block.scalar_type() == at::kFloat) {
       std::memcpy(block.data_ptr<float>() + r * n, src, n * sizeof(float));
-    } else if (block.scalar_type() == at::kBFloat16) {
+    } else {
       f32_to_bf16(src, reinterpret_cast<uint16_t*>(block.mutable_data_ptr<at::BFloat16>()) + r * n,
                   n);
-    } else {
-      block[r].copy_(at::from_blob(const_cast<float*>(src), {n}, at::kFloat));
     }
   }
 };
 
-// What every row of an attention call shares: the key bias in fp32, the shapes that place a
-// row, the score scale and the dropout. Rows are numbered over the whole (B, H, Tq) call: row
-// g is query g % Tq of pair g / Tq (batch g / (Tq H)), and its dropout mask starts at element
-// g Tk of the (B, H, Tq, Tk) numbering, on either path.
+// What every row of a per-pair attention call shares: the key bias in fp32, the shapes that
+// place a row, the score scale and the dropout. Rows are numbered over the whole (B, H, Tq)
+// call: row g is query g % Tq of pair g / Tq (batch g / (Tq H)), and its dropout mask starts at
+// element g Tk of the (B, H, Tq, Tk) numbering, as on the batched path.
 struct RowParams {
   const float* bias;  // (B, bias_rows, Tk) fp32
   int64_t bias_rows;  // 1, or Tq: one bias row per query
@@ -337,47 +333,55 @@ struct RowParams {
     return bias + (batch * bias_rows + (bias_rows == 1 ? 0 : g % tq)) * tk;
   }
 
-  // x *= the dropout mask of row g (a no-op without dropout); x may be dst.
+  // dst = x times the dropout mask of row g (p > 0); x may be dst.
   void drop(int64_t g, const float* x, float* dst) const {
-    if (p > 0.0) {
-      mask_f32(x, dst, tk, static_cast<uint32_t>(g * tk), mask.key0, mask.key1, mask.keep_below,
-               mask.scale);
-    } else if (dst != x) {
-      std::memcpy(dst, x, tk * sizeof(float));
-    }
+    mask_f32(x, dst, tk, static_cast<uint32_t>(g * tk), mask.key0, mask.key1, mask.keep_below,
+             mask.scale);
   }
 };
 
-// fp32 rows of Tk for the row passes.
-struct RowScratch {
-  std::vector<float> row, dropped;
-  explicit RowScratch(int64_t tk) : row(tk), dropped(tk) {}
+// One thread's scratch on the per-pair path, reused over the pairs it takes: (Tq, Tk) blocks
+// in the inputs' dtype for the scores and their gradient, fp32 probabilities (backward) and
+// fp32 rows for the row passes.
+struct PairScratch {
+  at::Tensor scores, grad_scores;
+  std::vector<float> probs, row, dropped;
+
+  PairScratch(const at::Tensor& like, int64_t tq, int64_t tk, bool backward)
+      : scores(at::empty({tq, tk}, like.options())),
+        grad_scores(backward ? at::empty({tq, tk}, like.options()) : at::Tensor()),
+        probs(backward ? tq * tk : 0),
+        row(tk),
+        dropped(tk) {}
 };
 
-// Rows [begin, end) of `scores` (raw q k^T products, rows numbered from first_row): the dropped
-// probabilities in place, and the fp32 probabilities into `probs` (indexed as scores) where it
-// is not null.
-void softmax_dropout_rows(const BlockRows& scores, int64_t begin, int64_t end, int64_t first_row,
-                          const RowParams& rp, float* probs, RowScratch& s) {
-  for (int64_t r = begin; r < end; ++r) {
+// The Tq rows of a pair's `scores` (raw q k^T products; the pair's rows are numbered from
+// first_row): the dropped probabilities in place, and the fp32 probabilities into `probs`
+// (indexed as scores) where it is not null.
+void softmax_dropout_rows(const BlockRows& scores, int64_t first_row, const RowParams& rp,
+                          float* probs, PairScratch& s) {
+  for (int64_t r = 0; r < rp.tq; ++r) {
     const int64_t g = first_row + r;
     float* x = probs != nullptr ? probs + r * rp.tk : s.row.data();
     scores.load(r, x);
     softmax_row(x, rp.bias_of(g), rp.scale, rp.tk);
-    rp.drop(g, x, s.dropped.data());
-    scores.store(s.dropped.data(), r);
+    if (rp.p > 0.0) {
+      rp.drop(g, x, s.dropped.data());
+      x = s.dropped.data();
+    }
+    scores.store(x, r);
   }
 }
 
-// Rows [begin, end) of `grads`, the gradient of the dropped probabilities, turned in place into
-// the gradient of the raw products (the score scale included), with the fp32 `probs` of
+// The Tq rows of a pair's `grads`, the gradient of the dropped probabilities, turned in place
+// into the gradient of the raw products (the score scale included), with the fp32 `probs` of
 // softmax_dropout_rows.
-void softmax_grad_rows(const BlockRows& grads, int64_t begin, int64_t end, int64_t first_row,
-                       const RowParams& rp, const float* probs, RowScratch& s) {
+void softmax_grad_rows(const BlockRows& grads, int64_t first_row, const RowParams& rp,
+                       const float* probs, PairScratch& s) {
   float* g = s.row.data();
-  for (int64_t r = begin; r < end; ++r) {
+  for (int64_t r = 0; r < rp.tq; ++r) {
     grads.load(r, g);
-    rp.drop(first_row + r, g, g);
+    if (rp.p > 0.0) rp.drop(first_row + r, g, g);
     softmax_grad_row(probs + r * rp.tk, g, rp.scale, rp.tk);
     grads.store(g, r);
   }
@@ -399,27 +403,13 @@ void for_each_pair(int64_t pairs, MakeScratch make_scratch, Body body) {
   });
 }
 
-// One thread's scratch on the per-pair path, reused over the pairs it takes: (Tq, Tk) blocks
-// in the inputs' dtype for the scores and their gradient, fp32 probabilities (backward) and rows.
-struct PairScratch {
-  at::Tensor scores, grad_scores;
-  std::vector<float> probs;
-  RowScratch rows;
-
-  PairScratch(const at::Tensor& like, int64_t tq, int64_t tk, bool backward)
-      : scores(at::empty({tq, tk}, like.options())),
-        grad_scores(backward ? at::empty({tq, tk}, like.options()) : at::Tensor()),
-        probs(backward ? tq * tk : 0),
-        rows(tk) {}
-};
-
 // The per-pair path's (Tq, Tk) block of pair bh: the dropped probabilities into s.scores and,
 // in backward, the fp32 probabilities into s.probs. q (Tq, D), k (Tk, D).
 void attention_block(const at::Tensor& q, const at::Tensor& k, int64_t bh, const RowParams& rp,
                      bool backward, PairScratch& s) {
   at::mm_out(s.scores, q, k.t());
-  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, 0, rp.tq, bh * rp.tq, rp,
-                       backward ? s.probs.data() : nullptr, s.rows);
+  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, bh * rp.tq, rp,
+                       backward ? s.probs.data() : nullptr, s);
 }
 
 // The whole (B H, Tq, Tk) attention at once as batched products, with ATen's softmax, the mask
@@ -465,6 +455,8 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
                                       rp.scale, p, seed);
       out = at::bmm(all.dropped, v.view({b * h, tk, d})).view({b, h, tq, d});
     } else {
+      TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+                  "seeded attention's per-pair path takes fp32 or bf16, not ", q.scalar_type());
       out = at::empty({b, h, tq, d}, q.options());
       for_each_pair(
           b * h, [&] { return PairScratch(q, tq, tk, false); },
@@ -516,8 +508,7 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
             at::Tensor gv_ij = gv[i][j], gq_ij = gq[i][j], gk_ij = gk[i][j];
             at::mm_out(gv_ij, s.scores.t(), g);  // (Tk, D)
             at::mm_out(s.grad_scores, g, v[i][j].t());
-            softmax_grad_rows(BlockRows{s.grad_scores, tk}, 0, tq, bh * tq, rp, s.probs.data(),
-                              s.rows);
+            softmax_grad_rows(BlockRows{s.grad_scores, tk}, bh * tq, rp, s.probs.data(), s);
             at::mm_out(gq_ij, s.grad_scores, k_ij);
             at::mm_out(gk_ij, s.grad_scores.t(), q_ij);
           });
