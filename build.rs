@@ -42,11 +42,17 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         // seeded.cpp's 64-byte float vectors live only in inlined helpers: no call passes one.
         .flag_if_supported("-Wno-psabi")
+        // at::parallel_for is a header template: without OpenMP it compiles to a serial loop,
+        // and the kernels' loops over pairs and mask chunks ran on one thread.
+        .flag("-fopenmp")
         .file("src/models/seeded.cpp")
         .file("src/models/linear_grad.cpp")
         .file("src/optim_buffers.cpp")
         .file("src/train/profile.cpp")
         .compile("sprtrain_seeded");
+    // libgomp.so.1, the soname libtorch's own copy has: the binary's rpath finds that one, so
+    // one OpenMP runtime (one thread pool, set by at::set_num_threads) serves both.
+    println!("cargo:rustc-link-lib=dylib=gomp");
 
     // PyPI wheels carry version.py; standalone libtorch zips carry build-version.
     let version = std::fs::read_to_string(root.join("version.py"))

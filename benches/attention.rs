@@ -3,9 +3,13 @@
 //! MiniLM's short sentences (batch 32, seq 48, 12 heads of 32), each on both paths (the loop
 //! over (batch, head) pairs and the batched products; the model takes the per-pair path at seq
 //! 384 and the batched one at seq 48), and libtorch's fused scaled_dot_product_attention on the
-//! same shapes without dropout (what a layer runs where dropout is 0) as a yardstick.
+//! same shapes without dropout (what a layer runs where dropout is 0) as a yardstick. Then a
+//! decoder's causal attention at the Llama-125M bench row's shape (batch 1, seq 512, 12 heads
+//! of 64, dropout 0 as Llama trains): the per-pair loop's causal tiles, the batched products
+//! under an explicit mask, and libtorch's fused kernel with `is_causal`.
 //!
 //!   cargo bench --bench attention
+//!   SPRTRAIN_BENCH_CASE=Llama SPRTRAIN_BENCH_PATH=pair cargo bench --bench attention    # some
 //!
 //! The products (two in forward; the recomputed scores and four more in backward) are what
 //! must take the time: GFLOP/s counts only them, so against the machine's GEMM peak it says how
@@ -13,21 +17,31 @@
 
 use std::time::Instant;
 
-use sprtrain::models::layers::{key_mask, seeded_attention_with};
+use sprtrain::models::layers::{key_mask, seeded_attention_with, seeded_causal_attention};
 use tch::{Device, Kind, Tensor};
 
 /// How a pass computes attention.
 #[derive(Clone, Copy)]
 enum Kernel {
-    /// Seeded attention, dropout 0.1, batched when the scores have at most this many elements.
+    /// Seeded attention, batched when the scores have at most this many elements.
     Seeded(i64),
     /// libtorch's scaled_dot_product_attention, no dropout.
     Fused,
 }
 
+/// A shape to time: (B, H, T, D), decoder (causal, unpadded) or encoder (padded), and the
+/// seeded kernel's dropout.
+struct Case {
+    name: &'static str,
+    shape: [i64; 4],
+    reps: usize,
+    causal: bool,
+    dropout: f64,
+}
+
 /// Median and best seconds of `reps` forward + backward passes, after 2 warm-up passes.
-fn time_pass(shape: [i64; 4], kind: Kind, kernel: Kernel, reps: usize) -> (f64, f64) {
-    let [b, h, t, d] = shape;
+fn time_pass(case: &Case, kind: Kind, kernel: Kernel) -> (f64, f64) {
+    let ([b, h, t, d], reps) = (case.shape, case.reps);
     tch::manual_seed(0);
     let leaf = || {
         Tensor::randn([b, h, t, d], (Kind::Float, Device::Cpu))
@@ -35,10 +49,17 @@ fn time_pass(shape: [i64; 4], kind: Kind, kernel: Kernel, reps: usize) -> (f64, 
             .set_requires_grad(true)
     };
     let (q, k, v) = (leaf(), leaf(), leaf());
-    // Padding as in a real batch: the last quarter of every other sequence.
+    // Padding as in a real batch: the last quarter of every other sequence (none for the
+    // decoder, whose blocks are packed).
     let lengths = Tensor::from_slice(
         &(0..b)
-            .map(|i| if i % 2 == 0 { t } else { t * 3 / 4 })
+            .map(|i| {
+                if i % 2 == 0 || case.causal {
+                    t
+                } else {
+                    t * 3 / 4
+                }
+            })
             .collect::<Vec<_>>(),
     )
     .view([b, 1]);
@@ -51,10 +72,15 @@ fn time_pass(shape: [i64; 4], kind: Kind, kernel: Kernel, reps: usize) -> (f64, 
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps + 2 {
         let start = Instant::now();
+        let (p, seed) = (case.dropout, rep as i64);
         let out = match kernel {
-            Kernel::Seeded(batched_up_to) => {
-                seeded_attention_with(&q, &k, &v, &keys, 0.1, rep as i64, batched_up_to)
+            Kernel::Seeded(up_to) if case.causal => {
+                seeded_causal_attention(&q, &k, &v, &keys, p, seed, up_to)
             }
+            Kernel::Seeded(up_to) => seeded_attention_with(&q, &k, &v, &keys, p, seed, up_to),
+            Kernel::Fused if case.causal => Tensor::scaled_dot_product_attention::<Tensor>(
+                &q, &k, &v, None, 0.0, true, None, false,
+            ),
             Kernel::Fused => Tensor::scaled_dot_product_attention(
                 &q,
                 &k,
@@ -84,28 +110,58 @@ fn main() {
         .and_then(|t| t.parse().ok())
         .unwrap_or(2);
     tch::set_num_threads(threads);
-    for (name, shape, reps) in [
-        ("DistilBERT QA, seq 384", [8, 12, 384, 64], 10),
-        (
+    // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>: only the cases and paths whose
+    // name contains it (to profile one).
+    let only = std::env::var("SPRTRAIN_BENCH_CASE").unwrap_or_default();
+    let only_path = std::env::var("SPRTRAIN_BENCH_PATH").unwrap_or_default();
+    let case = |name, shape, reps, causal, dropout| Case {
+        name,
+        shape,
+        reps,
+        causal,
+        dropout,
+    };
+    for case in [
+        case("DistilBERT QA, seq 384", [8, 12, 384, 64], 10, false, 0.1),
+        case(
             "DistilBERT QA, length-grouped windows of 192",
             [8, 12, 192, 64],
             20,
+            false,
+            0.1,
         ),
-        ("MiniLM sentences, seq 48", [32, 12, 48, 32], 50),
-    ] {
+        case("MiniLM sentences, seq 48", [32, 12, 48, 32], 50, false, 0.1),
+        case(
+            "Llama-125M causal LM, seq 512",
+            [1, 12, 512, 64],
+            20,
+            true,
+            0.0,
+        ),
+    ]
+    .into_iter()
+    .filter(|c| c.name.contains(&only))
+    {
         for kind in [Kind::Float, Kind::BFloat16] {
             for (path, kernel) in [
                 ("per pair", Kernel::Seeded(0)),
                 ("batched", Kernel::Seeded(i64::MAX)),
                 ("libtorch fused, no dropout", Kernel::Fused),
-            ] {
-                let (median, best) = time_pass(shape, kind, kernel, reps);
-                let [b, h, t, d] = shape;
+            ]
+            .into_iter()
+            .filter(|(path, _)| path.contains(&only_path))
+            {
+                let (median, best) = time_pass(&case, kind, kernel);
+                let ([b, h, t, d], reps) = (case.shape, case.reps);
                 // Seven (T x T x D) products a pass (the fused kernel's backward recomputes the
-                // scores too), 2 flops per multiply-add.
-                let flops = 7.0 * 2.0 * (b * h * t * t * d) as f64;
+                // scores too), 2 flops per multiply-add; under the causal mask, the half of
+                // them a kernel that skipped every masked product would do.
+                let masked = if case.causal { 0.5 } else { 1.0 };
+                let flops = masked * 7.0 * 2.0 * (b * h * t * t * d) as f64;
                 println!(
-                    "{name}, {kind:?}, {path}, {threads} threads: forward + backward median {:.1} ms, best {:.1} ms over {reps}; products at {:.0} GFLOP/s",
+                    "{}, {kind:?}, {path}, dropout {}, {threads} threads: forward + backward median {:.1} ms, best {:.1} ms over {reps}; products at {:.0} GFLOP/s",
+                    case.name,
+                    case.dropout,
                     median * 1e3,
                     best * 1e3,
                     flops / median / 1e9

@@ -6,7 +6,9 @@ mod common;
 
 use common::max_abs_diff;
 use rand::{Rng, SeedableRng};
-use sprtrain::models::layers::{key_mask, seeded_attention_with, seeded_dropout};
+use sprtrain::models::layers::{
+    key_mask, seeded_attention_with, seeded_causal_attention, seeded_dropout,
+};
 use tch::{Kind, Tensor};
 
 const CPU: tch::Device = tch::Device::Cpu;
@@ -134,21 +136,49 @@ fn compare(p: f64, kind: Kind, tolerance: f64) {
 /// As `compare`, with `queries` queries (the first positions) against all 37 keys.
 fn compare_queries(p: f64, kind: Kind, tolerance: f64, queries: i64) {
     for (path, batched_up_to) in PATHS {
-        compare_on(p, kind, tolerance, batched_up_to, path, queries, false);
+        compare_on(
+            p,
+            kind,
+            tolerance,
+            batched_up_to,
+            path,
+            (queries, 37),
+            Masking::Keys,
+        );
     }
 }
 
-/// (B, H, queries, D) q and (B, H, T, D) k, v (leaves), the key mask of lengths 37, 20 and 5,
+/// Which keys a query sees in `compare_on`.
+#[derive(Clone, Copy, PartialEq)]
+enum Masking {
+    /// The unpadded keys.
+    Keys,
+    /// Also only those up to its own position, passed as a (B, 1, Tq, T) mask whose every row
+    /// differs, as decoders with padding pass.
+    CausalExplicit,
+    /// The same, passed as the key mask and the causal flag (`seeded_causal_attention`).
+    Causal,
+}
+
+/// (B, H, queries, D) q and (B, H, T, D) k, v (leaves), the key mask of lengths T, 20 and 5,
 /// and an output gradient.
 fn attention_inputs(kind: Kind, queries: i64) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
-    let (b, h, t, d) = (3, 4, 37, 16);
+    attention_inputs_of(kind, queries, 37)
+}
+
+fn attention_inputs_of(
+    kind: Kind,
+    queries: i64,
+    t: i64,
+) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+    let (b, h, d) = (3, 4, 16);
     let (q, k, v) = (
         leaf(&[b, h, queries, d], kind, 3),
         leaf(&[b, h, t, d], kind, 4),
         leaf(&[b, h, t, d], kind, 5),
     );
-    // Padding: sequence lengths 37, 20 and 5.
-    let lengths = Tensor::from_slice(&[37i64, 20, 5]).view([b, 1]);
+    // Padding: sequence lengths T, 20 and 5.
+    let lengths = Tensor::from_slice(&[t, 20, 5]).view([b, 1]);
     let keys = key_mask(
         &Tensor::arange(t, (Kind::Int64, CPU))
             .view([1, t])
@@ -158,31 +188,33 @@ fn attention_inputs(kind: Kind, queries: i64) -> (Tensor, Tensor, Tensor, Tensor
     (q, k, v, keys, grad_out)
 }
 
-/// `causal`: each query also sees only the keys up to its own position, a (B, 1, Tq, T) mask
-/// whose every row differs, as decoders pass.
+/// `(queries, keys)`: the first `queries` positions against `keys` keys.
 fn compare_on(
     p: f64,
     kind: Kind,
     tolerance: f64,
     batched_up_to: i64,
     path: &str,
-    queries: i64,
-    causal: bool,
+    (queries, t): (i64, i64),
+    masking: Masking,
 ) {
-    let (q, k, v, keys, grad_out) = attention_inputs(kind, queries);
+    let (q, k, v, key_padding, grad_out) = attention_inputs_of(kind, queries, t);
     let (b, h, tq, _) = q.size4().unwrap();
-    let t = k.size()[2];
-    let keys = if causal {
+    let keys = if masking == Masking::Keys {
+        key_padding.shallow_clone()
+    } else {
         let positions = Tensor::arange(t, (Kind::Int64, CPU));
         let earlier = positions
             .view([1, t])
             .le_tensor(&positions.narrow(0, 0, tq).view([tq, 1]));
-        keys.logical_and(&earlier.view([1, 1, tq, t]))
-    } else {
-        keys
+        key_padding.logical_and(&earlier.view([1, 1, tq, t]))
     };
     let seed = 1234;
-    let out = seeded_attention_with(&q, &k, &v, &keys, p, seed, batched_up_to);
+    let out = if masking == Masking::Causal {
+        seeded_causal_attention(&q, &k, &v, &key_padding, p, seed, batched_up_to)
+    } else {
+        seeded_attention_with(&q, &k, &v, &keys, p, seed, batched_up_to)
+    };
     (&out.to_kind(Kind::Float) * &grad_out)
         .sum(Kind::Float)
         .backward();
@@ -246,9 +278,48 @@ fn attention_of_fewer_queries_than_keys_equals_plain_attention() {
 fn causal_attention_equals_plain_attention() {
     for (path, batched_up_to) in PATHS {
         for p in [0.0, 0.2] {
-            compare_on(p, Kind::Float, 1e-5, batched_up_to, path, 37, true);
+            compare_on(
+                p,
+                Kind::Float,
+                1e-5,
+                batched_up_to,
+                path,
+                (37, 37),
+                Masking::CausalExplicit,
+            );
         }
     }
+}
+
+/// The causal flag: on the per-pair path, query tiles of 128 against the keys up to each
+/// tile's end (300 positions: tiles of 128, 128 and 44, so the diagonal, off-diagonal and a
+/// short last tile all occur); batched, an explicit mask built from it. Equal to plain
+/// attention under the causal mask and the key padding, on the same dropout mask.
+#[test]
+fn causal_tiles_equal_plain_attention() {
+    for (path, batched_up_to) in PATHS {
+        for p in [0.0, 0.2] {
+            compare_on(
+                p,
+                Kind::Float,
+                1e-5,
+                batched_up_to,
+                path,
+                (300, 300),
+                Masking::Causal,
+            );
+        }
+    }
+    // bf16 (products and the block in bf16, softmax in fp32) against the fp32 reference.
+    compare_on(
+        0.1,
+        Kind::BFloat16,
+        0.1,
+        0,
+        "per pair, bf16",
+        (300, 300),
+        Masking::Causal,
+    );
 }
 
 #[test]
