@@ -626,6 +626,9 @@ pub enum CausalMask {
     All,
     /// (B, 1, T, T) booleans, true where attended: causal and padding (and window) together.
     Explicit(Tensor),
+    /// Keys up to the query's own position that are not padding: `keys` (B, 1, 1, T) true at
+    /// real tokens, `full` the (B, 1, T, T) mask of both (what `Explicit` would hold).
+    CausalPadded { keys: Tensor, full: Tensor },
 }
 
 impl CausalMask {
@@ -640,7 +643,12 @@ impl CausalMask {
         }
         let allowed = Self::allowed(0, t, window, attention_mask.device());
         let keys = attention_mask.ne(0).view([b, 1, 1, t]);
-        CausalMask::Explicit(allowed.logical_and(&keys))
+        let full = allowed.logical_and(&keys);
+        if windowed {
+            CausalMask::Explicit(full)
+        } else {
+            CausalMask::CausalPadded { keys, full }
+        }
     }
 
     /// The mask of `t` new queries after `cached` cached positions (generation, no padding),
@@ -706,18 +714,20 @@ pub fn causal_attention(
     }
     let q = &q;
     let seeded_kind = matches!(q.kind(), Kind::Float | Kind::BFloat16);
-    let ctx = if train
-        && seeded_kind
-        && matches!(mask, CausalMask::Causal)
-        && t >= CAUSAL_TILES_FROM
+    let causal_keys = match mask {
+        CausalMask::Causal => Some(Tensor::ones([b, 1, 1, t], (Kind::Bool, q.device()))),
+        CausalMask::CausalPadded { keys, .. } => Some(keys.shallow_clone()),
+        CausalMask::All | CausalMask::Explicit(_) => None,
+    };
+    let ctx = if let Some(keys) =
+        causal_keys.filter(|_| train && seeded_kind && t >= CAUSAL_TILES_FROM)
     {
         // Long causal blocks: the per-pair loop's query tiles skip most of the masked half,
         // and run with or without dropout faster than libtorch's fused kernel.
-        let keys = Tensor::ones([b, 1, 1, t], (Kind::Bool, q.device()));
         seeded_causal_attention(q, &k, &v, &keys, dropout_p, next_dropout_seed(), 0)
     } else if train && dropout_p > 0.0 {
         let full = match mask {
-            CausalMask::Explicit(m) => m.shallow_clone(),
+            CausalMask::Explicit(m) | CausalMask::CausalPadded { full: m, .. } => m.shallow_clone(),
             CausalMask::Causal => {
                 let ones = Tensor::ones([t, t], (Kind::Bool, q.device()));
                 ones.tril(0).view([1, 1, t, t]).expand([b, 1, t, t], false)
@@ -733,7 +743,7 @@ pub fn causal_attention(
             CausalMask::All => Tensor::scaled_dot_product_attention::<Tensor>(
                 q, &k, &v, None, 0.0, false, None, false,
             ),
-            CausalMask::Explicit(m) => {
+            CausalMask::Explicit(m) | CausalMask::CausalPadded { full: m, .. } => {
                 Tensor::scaled_dot_product_attention(q, &k, &v, Some(m), 0.0, false, None, false)
             }
         }
@@ -785,13 +795,31 @@ mod tests {
     }
 
     /// Training at a long causal length (the causal tiles, GQA: 4 query heads on 2 key/value
-    /// heads) against libtorch's fused kernel (what evaluation runs) on copies of the same
-    /// leaves: outputs and gradients agree to 1e-5 (fp32 sums of 300 terms in another order;
-    /// a tile that saw one key too many or too few moves outputs by ~1e-2).
+    /// heads), unpadded and with the second sequence padded after 250 tokens, against
+    /// libtorch's fused kernel (what evaluation runs) on copies of the same leaves: outputs and
+    /// gradients agree to 1e-5 (fp32 sums of 300 terms in another order; a tile that saw one
+    /// key too many or too few moves outputs by ~1e-2).
     #[test]
     fn causal_tiles_in_training_equal_the_fused_kernel() {
-        tch::manual_seed(7);
         let t = CAUSAL_TILES_FROM + 44;
+        let lengths = Tensor::from_slice(&[t, 250]).view([2, 1]);
+        let padded = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .view([1, t])
+            .lt_tensor(&lengths)
+            .to_kind(Kind::Int64);
+        let masks = [
+            CausalMask::new(&Tensor::ones([2, t], (Kind::Int64, Device::Cpu)), None),
+            CausalMask::new(&padded, None),
+        ];
+        assert!(matches!(masks[0], CausalMask::Causal));
+        assert!(matches!(masks[1], CausalMask::CausalPadded { .. }));
+        for mask in &masks {
+            check_causal_tiles(mask, t);
+        }
+    }
+
+    fn check_causal_tiles(mask: &CausalMask, t: i64) {
+        tch::manual_seed(7);
         let (q, k, v) = (
             leaf(&[2, 4, t, 16]),
             leaf(&[2, 2, t, 16]),
@@ -799,7 +827,7 @@ mod tests {
         );
         let grad_out = Tensor::randn([2, t, 64], (Kind::Float, Device::Cpu));
         let run = |q: &Tensor, k: &Tensor, v: &Tensor, train: bool| {
-            let out = causal_attention(q, k, v, &CausalMask::Causal, 0.0, train);
+            let out = causal_attention(q, k, v, mask, 0.0, train);
             (&out * &grad_out).sum(Kind::Float).backward();
             out.detach()
         };
