@@ -276,17 +276,14 @@ fn attention_of_fewer_queries_than_keys_equals_plain_attention() {
 /// Per-query masks (causal, over padding): the bias row each query reads is its own.
 #[test]
 fn causal_attention_equals_plain_attention() {
+    compare_fp32_on_both_paths(37, Masking::CausalExplicit);
+}
+
+/// `compare_on` in fp32 with and without dropout, on both paths, over T = `t` positions.
+fn compare_fp32_on_both_paths(t: i64, masking: Masking) {
     for (path, batched_up_to) in PATHS {
         for p in [0.0, 0.2] {
-            compare_on(
-                p,
-                Kind::Float,
-                1e-5,
-                batched_up_to,
-                path,
-                (37, 37),
-                Masking::CausalExplicit,
-            );
+            compare_on(p, Kind::Float, 1e-5, batched_up_to, path, (t, t), masking);
         }
     }
 }
@@ -297,19 +294,7 @@ fn causal_attention_equals_plain_attention() {
 /// attention under the causal mask and the key padding, on the same dropout mask.
 #[test]
 fn causal_tiles_equal_plain_attention() {
-    for (path, batched_up_to) in PATHS {
-        for p in [0.0, 0.2] {
-            compare_on(
-                p,
-                Kind::Float,
-                1e-5,
-                batched_up_to,
-                path,
-                (300, 300),
-                Masking::Causal,
-            );
-        }
-    }
+    compare_fp32_on_both_paths(300, Masking::Causal);
     // bf16 (products and the block in bf16, softmax in fp32) against the fp32 reference.
     compare_on(
         0.1,
