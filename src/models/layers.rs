@@ -713,39 +713,46 @@ pub fn causal_attention(
         (q, k, v) = (q.to_kind(kind), k.to_kind(kind), v.to_kind(kind));
     }
     let q = &q;
-    let seeded_kind = matches!(q.kind(), Kind::Float | Kind::BFloat16);
+    let tiles = train && t >= CAUSAL_TILES_FROM && matches!(q.kind(), Kind::Float | Kind::BFloat16);
+    let dropout = train && dropout_p > 0.0;
+    // The key mask of a plain causal mask, where the seeded kernel takes it.
     let causal_keys = match mask {
+        _ if !(tiles || dropout) => None,
         CausalMask::Causal => Some(Tensor::ones([b, 1, 1, t], (Kind::Bool, q.device()))),
         CausalMask::CausalPadded { keys, .. } => Some(keys.shallow_clone()),
         CausalMask::All | CausalMask::Explicit(_) => None,
     };
-    let ctx = if let Some(keys) =
-        causal_keys.filter(|_| train && seeded_kind && t >= CAUSAL_TILES_FROM)
-    {
-        // Long causal blocks: the per-pair loop's query tiles skip most of the masked half,
-        // and run with or without dropout faster than libtorch's fused kernel.
-        seeded_causal_attention(q, &k, &v, &keys, dropout_p, next_dropout_seed(), 0)
-    } else if train && dropout_p > 0.0 {
-        let full = match mask {
-            CausalMask::Explicit(m) | CausalMask::CausalPadded { full: m, .. } => m.shallow_clone(),
-            CausalMask::Causal => {
-                let ones = Tensor::ones([t, t], (Kind::Bool, q.device()));
-                ones.tril(0).view([1, 1, t, t]).expand([b, 1, t, t], false)
-            }
-            CausalMask::All => Tensor::ones([b, 1, 1, k.size()[2]], (Kind::Bool, q.device())),
-        };
-        seeded_attention(q, &k, &v, &full, dropout_p, next_dropout_seed())
-    } else {
-        match mask {
-            CausalMask::Causal => Tensor::scaled_dot_product_attention::<Tensor>(
-                q, &k, &v, None, 0.0, true, None, false,
-            ),
-            CausalMask::All => Tensor::scaled_dot_product_attention::<Tensor>(
-                q, &k, &v, None, 0.0, false, None, false,
-            ),
-            CausalMask::Explicit(m) | CausalMask::CausalPadded { full: m, .. } => {
-                Tensor::scaled_dot_product_attention(q, &k, &v, Some(m), 0.0, false, None, false)
-            }
+    let ctx = match (causal_keys, mask) {
+        // Long causal blocks: the per-pair loop's query tiles skip most of the masked half, and
+        // run with or without dropout faster than libtorch's fused kernel; short ones with
+        // dropout: batched products under the causal mask.
+        (Some(keys), _) => {
+            let batched_up_to = if tiles { 0 } else { SEEDED_BATCHED_UP_TO };
+            seeded_causal_attention(
+                q,
+                &k,
+                &v,
+                &keys,
+                dropout_p,
+                next_dropout_seed(),
+                batched_up_to,
+            )
+        }
+        (_, CausalMask::Explicit(m)) if dropout => {
+            seeded_attention(q, &k, &v, m, dropout_p, next_dropout_seed())
+        }
+        (_, CausalMask::All) if dropout => {
+            let keys = Tensor::ones([b, 1, 1, tk], (Kind::Bool, q.device()));
+            seeded_attention(q, &k, &v, &keys, dropout_p, next_dropout_seed())
+        }
+        (_, CausalMask::Causal) => {
+            Tensor::scaled_dot_product_attention::<Tensor>(q, &k, &v, None, 0.0, true, None, false)
+        }
+        (_, CausalMask::All) => {
+            Tensor::scaled_dot_product_attention::<Tensor>(q, &k, &v, None, 0.0, false, None, false)
+        }
+        (_, CausalMask::Explicit(m) | CausalMask::CausalPadded { full: m, .. }) => {
+            Tensor::scaled_dot_product_attention(q, &k, &v, Some(m), 0.0, false, None, false)
         }
     }; // (B, H, T, D)
     ctx.transpose(1, 2).contiguous().view([b, t, h * d])
@@ -815,6 +822,38 @@ mod tests {
         assert!(matches!(masks[1], CausalMask::CausalPadded { .. }));
         for mask in &masks {
             check_causal_tiles(mask, t);
+        }
+    }
+
+    /// Short causal blocks with attention dropout (the seeded kernel's batched products, the
+    /// causal mask built from its flag), unpadded and padded, against the seeded kernel under
+    /// the explicit (B, 1, T, T) mask on the same dropout seed: the same mask elements, so the
+    /// outputs agree to fp32 rounding (1e-6; one element dropped differently moves them ~1e-1).
+    #[test]
+    fn short_causal_blocks_with_dropout_take_the_causal_flag() {
+        let t = 37;
+        let lengths = Tensor::from_slice(&[t, 20]).view([2, 1]);
+        let padded = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .view([1, t])
+            .lt_tensor(&lengths)
+            .to_kind(Kind::Int64);
+        for attention_mask in [Tensor::ones([2, t], (Kind::Int64, Device::Cpu)), padded] {
+            let (q, k, v) = (
+                leaf(&[2, 4, t, 16]),
+                leaf(&[2, 4, t, 16]),
+                leaf(&[2, 4, t, 16]),
+            );
+            let mask = CausalMask::new(&attention_mask, None);
+            seed_dropout(11);
+            let flagged = causal_attention(&q, &k, &v, &mask, 0.2, true);
+            let keys = attention_mask.ne(0).view([2, 1, 1, t]);
+            let full = CausalMask::allowed(0, t, None, Device::Cpu).logical_and(&keys);
+            seed_dropout(11);
+            let explicit = seeded_attention(&q, &k, &v, &full, 0.2, next_dropout_seed())
+                .transpose(1, 2)
+                .reshape([2, t, 64]);
+            let diff = (&flagged - &explicit).abs().max().double_value(&[]);
+            assert!(diff < 1e-6, "outputs differ by {diff}");
         }
     }
 

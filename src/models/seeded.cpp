@@ -422,8 +422,8 @@ void for_each_pair(int64_t pairs, MakeScratch make_scratch, Body body) {
 // of kCausalTile queries, each against the keys up to its last query only, which skips the
 // products and row passes over the masked upper triangle (at T = 512, 10 of 16 (128, 128)
 // blocks are computed). At the Llama bench row's shape (batch 1, 512, 12 heads of 64, fp32)
-// tiles of 128 took 14.6 ms forward + backward against 20.0 untiled; tiles of 64 and 32 lost
-// more to their smaller products' fixed costs than they skipped.
+// tiles of 128 took 14.6 ms forward + backward against 20.0 untiled; tiles of 64 and 32 were
+// no faster (their smaller products' fixed costs; docs/benchmarks.md, round 9).
 constexpr int64_t kCausalTile = 128;
 
 struct Tile {
@@ -485,14 +485,14 @@ void pair_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     at::mm_out(gq_rows, grad_scores, k.narrow(0, 0, t.keys));
   }
   for (const Tile& t : tiles) {
-    // Key tile [r0, r1) is seen by queries r0 .. Tq under the causal mask, by all without it.
-    const int64_t first = rp.causal ? t.r0 : 0, seen_by = rp.tq - first;
-    const int64_t k0 = rp.causal ? t.r0 : 0, keys = rp.causal ? t.r1 - t.r0 : rp.tk;
+    // Keys [k0, k0 + keys), seen by queries k0 .. Tq: under the causal mask the keys of tile t,
+    // without it all keys (the one tile starts at 0).
+    const int64_t k0 = t.r0, seen_by = rp.tq - k0, keys = rp.causal ? t.r1 - t.r0 : rp.tk;
     at::Tensor gv_rows = gv.narrow(0, k0, keys), gk_rows = gk.narrow(0, k0, keys);
-    at::mm_out(gv_rows, s.scores.narrow(0, first, seen_by).narrow(1, k0, keys).t(),
-               g.narrow(0, first, seen_by));
-    at::mm_out(gk_rows, s.grad_scores.narrow(0, first, seen_by).narrow(1, k0, keys).t(),
-               q.narrow(0, first, seen_by));
+    at::mm_out(gv_rows, s.scores.narrow(0, k0, seen_by).narrow(1, k0, keys).t(),
+               g.narrow(0, k0, seen_by));
+    at::mm_out(gk_rows, s.grad_scores.narrow(0, k0, seen_by).narrow(1, k0, keys).t(),
+               q.narrow(0, k0, seen_by));
   }
 }
 
