@@ -11,6 +11,10 @@
 //!   cargo bench --bench attention
 //!   SPRTRAIN_BENCH_CASE=Llama SPRTRAIN_BENCH_PATH=pair cargo bench --bench attention    # one case, one path
 //!
+//! Each pass takes q, k and v as the models do, (B, H, T, D) views of one (B, T, 3 H D)
+//! projection, and merges the heads of its output back to (B, T, H D), so the layout copies a
+//! kernel needs are timed with it.
+//!
 //! The products (two in forward; the recomputed scores and four more in backward) are what
 //! must take the time: GFLOP/s counts only them, so against the machine's GEMM peak it says how
 //! much the softmax, dropout and casts between them cost.
@@ -43,12 +47,16 @@ struct Case {
 fn time_pass(case: &Case, kind: Kind, kernel: Kernel) -> (f64, f64) {
     let ([b, h, t, d], reps) = (case.shape, case.reps);
     tch::manual_seed(0);
-    let leaf = || {
-        Tensor::randn([b, h, t, d], (Kind::Float, Device::Cpu))
-            .to_kind(kind)
-            .set_requires_grad(true)
+    // q, k and v as the models pass them: (B, H, T, D) views of one (B, T, 3 H D) projection.
+    let fused = Tensor::randn([b, t, 3 * h * d], (Kind::Float, Device::Cpu))
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let heads = |i: i64| {
+        fused
+            .narrow(2, i * h * d, h * d)
+            .view([b, t, h, d])
+            .transpose(1, 2)
     };
-    let (q, k, v) = (leaf(), leaf(), leaf());
     // Padding as in a real batch: the last quarter of every other sequence (none for the
     // decoder, whose blocks are packed).
     let lengths = Tensor::from_slice(
@@ -68,11 +76,12 @@ fn time_pass(case: &Case, kind: Kind, kernel: Kernel) -> (f64, f64) {
             .view([1, t])
             .lt_tensor(&lengths),
     );
-    let grad_out = Tensor::randn([b, h, t, d], (kind, Device::Cpu));
+    let grad_out = Tensor::randn([b, t, h * d], (kind, Device::Cpu));
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps + 2 {
         let start = Instant::now();
         let (p, seed) = (case.dropout, rep as i64);
+        let (q, k, v) = (heads(0), heads(1), heads(2));
         let out = match kernel {
             Kernel::Seeded(up_to) if case.causal => {
                 seeded_causal_attention(&q, &k, &v, &keys, p, seed, up_to)
@@ -92,13 +101,13 @@ fn time_pass(case: &Case, kind: Kind, kernel: Kernel) -> (f64, f64) {
                 false,
             ),
         };
-        (&out * &grad_out).sum(Kind::Float).backward();
+        // (B, H, T, D) -> (B, T, H D), as the models merge the heads.
+        let merged = out.transpose(1, 2).contiguous().view([b, t, h * d]);
+        (&merged * &grad_out).sum(Kind::Float).backward();
         if rep >= 2 {
             times.push(start.elapsed().as_secs_f64());
         }
-        for x in [&q, &k, &v] {
-            let _ = x.grad().zero_();
-        }
+        let _ = fused.grad().zero_();
     }
     times.sort_by(f64::total_cmp);
     (times[times.len() / 2], times[0])

@@ -307,6 +307,56 @@ fn causal_tiles_equal_plain_attention() {
     );
 }
 
+/// Models pass q, k and v as (B, H, T, D) views of one (B, T, 3 H D) projection, which the
+/// per-pair path reads in place and answers in the (B, T, H, D) layout the caller transposes
+/// back to. Values and gradients equal those of contiguous copies of the same inputs, on both
+/// paths, with dropout, with and without the causal flag, in fp32 (the same products on other
+/// strides: rounding only) and bf16.
+#[test]
+fn attention_of_strided_views_equals_contiguous_inputs() {
+    let (b, t, h, d) = (3, 37, 4, 16);
+    let (_, _, _, keys, grad_out) = attention_inputs(Kind::Float, t);
+    let run = |kind: Kind, batched_up_to: i64, causal: bool, strided: bool| {
+        let fused = leaf(&[b, t, 3 * h * d], kind, 21);
+        let heads = |i: i64| {
+            let part = fused
+                .narrow(2, i * h * d, h * d)
+                .view([b, t, h, d])
+                .transpose(1, 2);
+            if strided {
+                part
+            } else {
+                part.contiguous()
+            }
+        };
+        let (q, k, v) = (heads(0), heads(1), heads(2));
+        let out = if causal {
+            seeded_causal_attention(&q, &k, &v, &keys, 0.2, 5, batched_up_to)
+        } else {
+            seeded_attention_with(&q, &k, &v, &keys, 0.2, 5, batched_up_to)
+        };
+        // (B, H, T, D) -> (B, T, H D), as the models do.
+        let merged = out.transpose(1, 2).contiguous().view([b, t, h * d]);
+        (&merged.to_kind(Kind::Float) * &grad_out.transpose(1, 2).reshape([b, t, h * d]))
+            .sum(Kind::Float)
+            .backward();
+        (out.to_kind(Kind::Float), fused.grad().to_kind(Kind::Float))
+    };
+    for (kind, tolerance) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1e-2)] {
+        for (path, batched_up_to) in PATHS {
+            for causal in [false, true] {
+                let (out, grad) = run(kind, batched_up_to, causal, true);
+                let (want, want_grad) = run(kind, batched_up_to, causal, false);
+                let what = format!("{path}, {kind:?}, causal {causal}");
+                let diff = max_abs_diff(&out, &want);
+                assert!(diff <= tolerance, "{what}: output differs by {diff}");
+                let diff = max_abs_diff(&grad, &want_grad);
+                assert!(diff <= tolerance, "{what}: gradient differs by {diff}");
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_in_bf16_stays_close_to_fp32() {
     // bf16 inputs and products (8 mantissa bits: relative 4e-3 per rounding) against the fp32

@@ -163,11 +163,13 @@ struct SeededDropout : public torch::autograd::Function<SeededDropout> {
   }
 };
 
-// Row kernels of the per-pair attention: softmax with dropout, and the softmax gradient, over
-// one row of a (Tq, Tk) block in one pass each, in fp32, where ATen took a softmax, the mask and
-// three dtype casts as separate passes (a sixth of a bf16 DistilBERT step at seq 384). Written
-// on GCC's vectors of 16 floats (one AVX-512 register, two AVX2 ones), so they vectorise on
-// every target without -ffast-math; a row's last n % 16 elements go through a padded chunk.
+// Row kernels of the per-pair attention, over one row of a (Tq, Tk) block in fp32, where ATen
+// took a softmax, the mask and three dtype casts as separate passes (a sixth of a bf16
+// DistilBERT step at seq 384): softmax with dropout, whose statistics (maximum, 1 / sum) let
+// backward recompute a row in one pass, and the softmax gradient, which reads the dropped
+// probabilities beside the undropped ones instead of drawing the mask a third time. Written on
+// GCC's vectors of 16 floats (one AVX-512 register, two AVX2 ones), so they vectorise on every
+// target without -ffast-math; a row's last n % 16 elements go through a padded chunk.
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
@@ -220,59 +222,145 @@ SPRTRAIN_INLINE float lane_sum(f32x16 v) {
   return s;
 }
 
-// row = softmax(scale * row + bias) in place; row and bias hold n elements.
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+SPRTRAIN_INLINE u32x16 lowbias32_16(u32x16 x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// x times the dropout mask of elements first .. first + 15 (the draws of `draw`, 16 at once).
+SPRTRAIN_INLINE f32x16 drop16(f32x16 x, const Mask& m, uint32_t first) {
+  const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u32x16 index = lanes + first;
+  const u32x16 drawn = lowbias32_16(lowbias32_16(index ^ m.key0) + m.key1);
+  return drawn < m.keep_below ? x * m.scale : splat(0.0f);
+}
+
+// A row's softmax: its maximum and the reciprocal of its sum of exponentials.
+struct RowStats {
+  float max, inv_sum;
+};
+
+// The probabilities of a row from its exponentials e (e^(x - max), sum known): p = e inv_sum
+// into `probs` where not null, and into `out` p times the dropout mask of elements first ..
+// first + 15 where `drop` is not null, else p. One chunk of 16.
+SPRTRAIN_INLINE void finish16(f32x16 e, float inv_sum, float* probs, float* out,
+                              const Mask* drop, uint32_t first) {
+  const f32x16 p = e * inv_sum;
+  if (probs != nullptr) store16(probs, p);
+  store16(out, drop != nullptr ? drop16(p, *drop, first) : p);
+}
+
+// Forward of a row of n scores x: softmax(scale x + bias), then dropout with the mask of
+// elements first .. first + n, written over x; the undropped probabilities into `probs` where
+// not null. Returns the row's statistics, from which backward recomputes it in one pass.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-void softmax_row(float* row, const float* bias, float scale, int64_t n) {
+RowStats softmax_dropout_row(float* x, const float* bias, float scale, int64_t n, float* probs,
+                             const Mask* drop, uint32_t first) {
   const int64_t full = n - n % kLanes;
   // The tail, padded with -inf: it adds nothing to the maximum or the sum.
-  alignas(64) float tail[kLanes], tail_bias[kLanes];
+  alignas(64) float tail[kLanes], tail_bias[kLanes], tail_probs[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) {
-    tail[l] = full + l < n ? row[full + l] : -INFINITY;
+    tail[l] = full + l < n ? x[full + l] : -INFINITY;
     tail_bias[l] = full + l < n ? bias[full + l] : 0.0f;
   }
   f32x16 max = splat(-INFINITY);
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 x = load16(row + j) * scale + load16(bias + j);
-    store16(row + j, x);
-    max = x > max ? x : max;
+    const f32x16 y = load16(x + j) * scale + load16(bias + j);
+    store16(x + j, y);
+    max = y > max ? y : max;
   }
-  const f32x16 x_tail = load16(tail) * scale + load16(tail_bias);
-  if (full < n) max = x_tail > max ? x_tail : max;
-  const f32x16 row_max = splat(lane_max(max));
+  const f32x16 y_tail = load16(tail) * scale + load16(tail_bias);
+  if (full < n) max = y_tail > max ? y_tail : max;
+  const float row_max = lane_max(max);
   f32x16 sum = splat(0.0f);
   for (int64_t j = 0; j < full; j += kLanes) {
-    const f32x16 e = exp_nonpositive(load16(row + j) - row_max);
-    store16(row + j, e);
+    const f32x16 e = exp_nonpositive(load16(x + j) - row_max);
+    store16(x + j, e);
     sum += e;
   }
-  const f32x16 e_tail = exp_nonpositive(x_tail - row_max);
+  const f32x16 e_tail = exp_nonpositive(y_tail - row_max);
   if (full < n) sum += e_tail;
-  const float inv = 1.0f / lane_sum(sum);
-  for (int64_t j = 0; j < full; j += kLanes) store16(row + j, load16(row + j) * inv);
-  for (int64_t j = full; j < n; ++j) row[j] = e_tail[j - full] * inv;
+  const float inv_sum = 1.0f / lane_sum(sum);
+  for (int64_t j = 0; j < full; j += kLanes) {
+    finish16(load16(x + j), inv_sum, probs != nullptr ? probs + j : nullptr, x + j, drop,
+             first + static_cast<uint32_t>(j));
+  }
+  if (full < n) {
+    finish16(e_tail, inv_sum, tail_probs, tail, drop, first + static_cast<uint32_t>(full));
+    for (int64_t j = full; j < n; ++j) {
+      x[j] = tail[j - full];
+      if (probs != nullptr) probs[j] = tail_probs[j - full];
+    }
+  }
+  return RowStats{row_max, inv_sum};
 }
 
-// grad = (grad - <grad, probs>) * probs * scale in place: the gradient of the scores from that
-// of the probabilities, times the score scale.
+// The same row again in backward from its forward statistics, in one pass: the probabilities
+// into `probs`, the dropped ones over x.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-void softmax_grad_row(const float* probs, float* grad, float scale, int64_t n) {
+void softmax_dropout_row_again(float* x, const float* bias, float scale, int64_t n,
+                               RowStats stats, float* probs, const Mask* drop, uint32_t first) {
   const int64_t full = n - n % kLanes;
   alignas(64) float tail[kLanes], tail_probs[kLanes];
+  for (int64_t j = 0; j < n; j += kLanes) {
+    f32x16 y;
+    if (j < full) {
+      y = load16(x + j) * scale + load16(bias + j);
+    } else {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        tail[l] = j + l < n ? x[j + l] * scale + bias[j + l] : -INFINITY;
+      }
+      y = load16(tail);
+    }
+    const f32x16 e = exp_nonpositive(y - stats.max);
+    const uint32_t at = first + static_cast<uint32_t>(j);
+    if (j < full) {
+      finish16(e, stats.inv_sum, probs + j, x + j, drop, at);
+    } else {
+      finish16(e, stats.inv_sum, tail_probs, tail, drop, at);
+      for (int64_t l = 0; j + l < n; ++l) {
+        x[j + l] = tail[l];
+        probs[j + l] = tail_probs[l];
+      }
+    }
+  }
+}
+
+// grad = (dropped grad - probs <dropped, grad>) scale in place: the gradient of the scores from
+// that of the dropped probabilities, times the score scale. With dropped = probs m / (1 - p)
+// this is probs (grad m / (1 - p) - <probs, grad m / (1 - p)>), the softmax gradient of the
+// masked gradient, without drawing the mask again.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void softmax_grad_row(const float* probs, const float* dropped, float* grad, float scale,
+                      int64_t n) {
+  const int64_t full = n - n % kLanes;
+  alignas(64) float tail[kLanes], tail_probs[kLanes], tail_dropped[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) {
     tail[l] = full + l < n ? grad[full + l] : 0.0f;
     tail_probs[l] = full + l < n ? probs[full + l] : 0.0f;
+    tail_dropped[l] = full + l < n ? dropped[full + l] : 0.0f;
   }
-  f32x16 dot = load16(tail) * load16(tail_probs);
-  for (int64_t j = 0; j < full; j += kLanes) dot += load16(grad + j) * load16(probs + j);
-  const f32x16 total = splat(lane_sum(dot));
+  f32x16 dot = load16(tail) * load16(tail_dropped);
+  for (int64_t j = 0; j < full; j += kLanes) dot += load16(grad + j) * load16(dropped + j);
+  const float total = lane_sum(dot);
   for (int64_t j = 0; j < full; j += kLanes) {
-    store16(grad + j, (load16(grad + j) - total) * load16(probs + j) * scale);
+    store16(grad + j,
+            (load16(dropped + j) * load16(grad + j) - load16(probs + j) * total) * scale);
   }
-  const f32x16 g_tail = (load16(tail) - total) * load16(tail_probs) * scale;
+  const f32x16 g_tail =
+      (load16(tail_dropped) * load16(tail) - load16(tail_probs) * total) * scale;
   for (int64_t j = full; j < n; ++j) grad[j] = g_tail[j - full];
 }
 
@@ -291,33 +379,35 @@ void f32_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t 
   for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16_bits(src[j]);
 }
 
-// Rows of a (rows, stride) fp32 or bf16 block (the dtypes training runs in), read into and
-// written from fp32: a row's first n elements, and on store zeros from n to `width` (the keys a
-// causal row does not see, which the products over whole key tiles then read).
+// Rows of a (rows, stride) fp32 or bf16 block (the dtypes training runs in), worked on in fp32:
+// an fp32 block's own rows, a bf16 block's converted into a buffer and back.
 struct BlockRows {
   at::Tensor block;
   int64_t stride;
 
-  void load(int64_t r, float* dst, int64_t n) const {
-    if (block.scalar_type() == at::kFloat) {
-      std::memcpy(dst, block.const_data_ptr<float>() + r * stride, n * sizeof(float));
-    } else {
-      bf16_to_f32(
-          reinterpret_cast<const uint16_t*>(block.const_data_ptr<at::BFloat16>()) + r * stride,
-          dst, n);
-    }
+  bool is_f32() const { return block.scalar_type() == at::kFloat; }
+
+  // Row r's first n elements as fp32: the row itself in an fp32 block, else converted into buf.
+  float* open(int64_t r, float* buf, int64_t n) const {
+    if (is_f32()) return block.data_ptr<float>() + r * stride;
+    bf16_to_f32(
+        reinterpret_cast<const uint16_t*>(block.const_data_ptr<at::BFloat16>()) + r * stride,
+        buf, n);
+    return buf;
   }
 
-  void store(const float* src, int64_t r, int64_t n, int64_t width) const {
-    if (block.scalar_type() == at::kFloat) {
-      float* row = block.data_ptr<float>() + r * stride;
-      std::memcpy(row, src, n * sizeof(float));
-      std::fill(row + n, row + width, 0.0f);
+  // Writes back row r opened as `row` (n elements), and zeros from n to `width` (the keys a
+  // causal row does not see, which the products over whole key tiles then read).
+  void close(int64_t r, const float* row, int64_t n, int64_t width) const {
+    if (is_f32()) {
+      float* dst = block.data_ptr<float>() + r * stride;
+      if (dst != row) std::memcpy(dst, row, n * sizeof(float));
+      std::fill(dst + n, dst + width, 0.0f);
     } else {
-      auto* row =
+      auto* dst =
           reinterpret_cast<uint16_t*>(block.mutable_data_ptr<at::BFloat16>()) + r * stride;
-      f32_to_bf16(src, row, n);
-      std::fill(row + n, row + width, uint16_t{0});
+      f32_to_bf16(row, dst, n);
+      std::fill(dst + n, dst + width, uint16_t{0});
     }
   }
 };
@@ -333,7 +423,8 @@ struct RowParams {
   float scale;
   double p;
   Mask mask;
-  bool causal;  // query r sees keys 0 ..= r (Tq = Tk)
+  bool causal;       // query r sees keys 0 ..= r (Tq = Tk)
+  RowStats* stats;   // (B H Tq): forward writes each row's, backward reads them
 
   // The keys row r of a pair sees: the first r + 1 under the causal mask, else all.
   int64_t keys_seen(int64_t r) const { return causal ? r + 1 : tk; }
@@ -343,59 +434,64 @@ struct RowParams {
     return bias + (batch * bias_rows + (bias_rows == 1 ? 0 : g % tq)) * tk;
   }
 
-  // dst = x times the dropout mask of row g's first n elements (p > 0); x may be dst.
-  void drop(int64_t g, const float* x, float* dst, int64_t n) const {
-    mask_f32(x, dst, n, static_cast<uint32_t>(g * tk), mask.key0, mask.key1, mask.keep_below,
-             mask.scale);
-  }
+  const Mask* dropout() const { return p > 0.0 ? &mask : nullptr; }
 };
 
 // One thread's scratch on the per-pair path, reused over the pairs it takes: (Tq, Tk) blocks
-// in the inputs' dtype for the scores and their gradient, fp32 probabilities (backward) and
-// fp32 rows for the row passes.
+// in the inputs' dtype for the scores and their gradient; in backward the fp32 probabilities
+// and, for bf16 blocks, the fp32 dropped probabilities (an fp32 `scores` holds those itself);
+// an fp32 row for conversions.
 struct PairScratch {
   at::Tensor scores, grad_scores;
-  std::vector<float> probs, row, dropped;
+  std::vector<float> probs, dropped, row;
 
   PairScratch(const at::Tensor& like, int64_t tq, int64_t tk, bool backward)
       : scores(at::empty({tq, tk}, like.options())),
         grad_scores(backward ? at::empty({tq, tk}, like.options()) : at::Tensor()),
         probs(backward ? tq * tk : 0),
-        row(tk),
-        dropped(tk) {}
+        dropped(backward && like.scalar_type() != at::kFloat ? tq * tk : 0),
+        row(tk) {}
+
+  // Row r of the dropped probabilities in fp32 (backward).
+  float* dropped_row(int64_t r, int64_t tk) {
+    return dropped.empty() ? scores.data_ptr<float>() + r * tk : dropped.data() + r * tk;
+  }
 };
 
 // Rows [r0, r1) of a pair's `scores` (raw q k^T products over the first `width` keys; the
-// pair's rows are numbered from first_row): the dropped probabilities in place, and the fp32
-// probabilities into `probs` (indexed as scores) where it is not null.
+// pair's rows are numbered from first_row) turned in place into the dropped probabilities. In
+// forward each row's softmax statistics go to rp.stats; in backward they come from there, and
+// the fp32 probabilities go to s.probs (indexed as scores).
 void softmax_dropout_rows(const BlockRows& scores, int64_t r0, int64_t r1, int64_t width,
-                          int64_t first_row, const RowParams& rp, float* probs, PairScratch& s) {
+                          int64_t first_row, const RowParams& rp, bool backward,
+                          PairScratch& s) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t g = first_row + r, n = rp.keys_seen(r);
-    float* x = probs != nullptr ? probs + r * rp.tk : s.row.data();
-    scores.load(r, x, n);
-    softmax_row(x, rp.bias_of(g), rp.scale, n);
-    if (rp.p > 0.0) {
-      rp.drop(g, x, s.dropped.data(), n);
-      x = s.dropped.data();
+    const auto first = static_cast<uint32_t>(g * rp.tk);
+    if (backward) {
+      float* x = scores.open(r, s.dropped_row(r, rp.tk), n);
+      softmax_dropout_row_again(x, rp.bias_of(g), rp.scale, n, rp.stats[g],
+                                s.probs.data() + r * rp.tk, rp.dropout(), first);
+      scores.close(r, x, n, width);
+    } else {
+      float* x = scores.open(r, s.row.data(), n);
+      rp.stats[g] =
+          softmax_dropout_row(x, rp.bias_of(g), rp.scale, n, nullptr, rp.dropout(), first);
+      scores.close(r, x, n, width);
     }
-    scores.store(x, r, n, width);
   }
 }
 
 // Rows [r0, r1) of a pair's `grads`, the gradient of the dropped probabilities over the first
 // `width` keys, turned in place into the gradient of the raw products (the score scale
-// included), with the fp32 `probs` of softmax_dropout_rows.
+// included), with the probabilities softmax_dropout_rows left in backward.
 void softmax_grad_rows(const BlockRows& grads, int64_t r0, int64_t r1, int64_t width,
-                       int64_t first_row, const RowParams& rp, const float* probs,
-                       PairScratch& s) {
-  float* g = s.row.data();
+                       const RowParams& rp, PairScratch& s) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t n = rp.keys_seen(r);
-    grads.load(r, g, n);
-    if (rp.p > 0.0) rp.drop(first_row + r, g, g, n);
-    softmax_grad_row(probs + r * rp.tk, g, rp.scale, n);
-    grads.store(g, r, n, width);
+    float* g = grads.open(r, s.row.data(), n);
+    softmax_grad_row(s.probs.data() + r * rp.tk, s.dropped_row(r, rp.tk), g, rp.scale, n);
+    grads.close(r, g, n, width);
   }
 }
 
@@ -452,8 +548,8 @@ void attention_tile(const at::Tensor& q, const at::Tensor& k, int64_t bh, const 
                     const RowParams& rp, bool backward, PairScratch& s) {
   at::Tensor scores = tile_of(s.scores, t);
   at::mm_out(scores, q.narrow(0, t.r0, t.r1 - t.r0), k.narrow(0, 0, t.keys).t());
-  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, t.r0, t.r1, t.keys, bh * rp.tq, rp,
-                       backward ? s.probs.data() : nullptr, s);
+  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, t.r0, t.r1, t.keys, bh * rp.tq, rp, backward,
+                       s);
 }
 
 // Forward of pair bh into out (Tq, D).
@@ -479,8 +575,7 @@ void pair_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     at::Tensor grad_scores = tile_of(s.grad_scores, t);
     const int64_t rows = t.r1 - t.r0;
     at::mm_out(grad_scores, g.narrow(0, t.r0, rows), v.narrow(0, 0, t.keys).t());
-    softmax_grad_rows(BlockRows{s.grad_scores, rp.tk}, t.r0, t.r1, t.keys, bh * rp.tq, rp,
-                      s.probs.data(), s);
+    softmax_grad_rows(BlockRows{s.grad_scores, rp.tk}, t.r0, t.r1, t.keys, rp, s);
     at::Tensor gq_rows = gq.narrow(0, t.r0, rows);
     at::mm_out(gq_rows, grad_scores, k.narrow(0, 0, t.keys));
   }
@@ -521,6 +616,18 @@ Batched attention_batched(const at::Tensor& q3, const at::Tensor& k3, const at::
   return {probs, dropped.to(q3.scalar_type())};
 }
 
+// x (B, H, T, D) with its D elements adjacent, as the per-pair products read them: x itself when
+// they are (any other strides, e.g. a (B, T, H, D) tensor's transpose), else a contiguous copy.
+at::Tensor unit_stride_rows(const at::Tensor& x) {
+  return x.stride(3) == 1 ? x : x.contiguous();
+}
+
+// A new (B, H, T, D) tensor laid out as (B, T, H, D): the per-pair path writes its outputs and
+// gradients there, so the caller's transpose back to (B, T, H D) is free.
+at::Tensor heads_view(int64_t b, int64_t h, int64_t t, int64_t d, const at::TensorOptions& options) {
+  return at::empty({b, t, h, d}, options).transpose(1, 2);
+}
+
 struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   // q: (B, H, Tq, D), k, v: (B, H, Tk, D) (Tq = Tk but where a layer computes only the
   // positions its head reads); bias: (B, 1, Tk) or (B, Tq, Tk) fp32 additive (0 or a large
@@ -530,11 +637,17 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& bias, double p,
                             int64_t seed, bool batched, bool causal) {
-    at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    // The per-pair products read each pair's (T, D) rows where they lie, e.g. strided views of
+    // a (B, T, H, D) projection, instead of copying q, k and v into (B, H, T, D) first.
+    at::Tensor q = batched ? q_in.contiguous() : unit_stride_rows(q_in);
+    at::Tensor k = batched ? k_in.contiguous() : unit_stride_rows(k_in);
+    at::Tensor v = batched ? v_in.contiguous() : unit_stride_rows(v_in);
     const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
     TORCH_CHECK(!(causal && batched), "seeded attention: the causal mask is per-pair only");
     TORCH_CHECK(!causal || tq == tk, "seeded attention: the causal mask needs Tq = Tk");
-    const RowParams rp = row_params(bias, h, tq, tk, d, p, seed, causal);
+    // Each row's softmax statistics, for backward's one-pass recomputation (per-pair path).
+    at::Tensor stats = at::empty({batched ? 0 : b * h * tq, 2}, q.options().dtype(at::kFloat));
+    const RowParams rp = row_params(bias, stats, h, tq, tk, d, p, seed, causal);
     at::Tensor out;
     if (batched) {
       Batched all = attention_batched(q.view({b * h, tq, d}), k.view({b * h, tk, d}), bias, h,
@@ -543,7 +656,7 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
     } else {
       TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
                   "seeded attention's per-pair path takes fp32 or bf16, not ", q.scalar_type());
-      out = at::empty({b, h, tq, d}, q.options());
+      out = heads_view(b, h, tq, d, q.options());
       for_each_pair(
           b * h, [&] { return PairScratch(q, tq, tk, false); },
           [&](int64_t bh, PairScratch& s) {
@@ -551,7 +664,7 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
             pair_forward(q[i][j], k[i][j], v[i][j], bh, rp, out[i][j], s);
           });
     }
-    ctx->save_for_backward({q, k, v, bias});
+    ctx->save_for_backward({q, k, v, bias, stats});
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["batched"] = batched;
@@ -562,13 +675,14 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias = saved[3];
+    const at::Tensor& stats = saved[4];
     const double p = ctx->saved_data["p"].toDouble();
     const int64_t seed = ctx->saved_data["seed"].toInt();
     const bool batched = ctx->saved_data["batched"].toBool();
     const bool causal = ctx->saved_data["causal"].toBool();
-    at::Tensor grad_out = grads[0].contiguous();
+    at::Tensor grad_out = batched ? grads[0].contiguous() : unit_stride_rows(grads[0]);
     const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), tk = k.size(2), d = q.size(3);
-    const RowParams rp = row_params(bias, h, tq, tk, d, p, seed, causal);
+    const RowParams rp = row_params(bias, stats, h, tq, tk, d, p, seed, causal);
     at::Tensor gq, gk, gv;
     if (batched) {
       at::Tensor q3 = q.view({b * h, tq, d}), k3 = k.view({b * h, tk, d});
@@ -584,7 +698,9 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
       gq = at::bmm(g_scores, k3).view({b, h, tq, d}).mul_(rp.scale);
       gk = at::bmm(g_scores.transpose(1, 2), q3).view({b, h, tk, d}).mul_(rp.scale);
     } else {
-      gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+      gq = heads_view(b, h, tq, d, q.options());
+      gk = heads_view(b, h, tk, d, k.options());
+      gv = heads_view(b, h, tk, d, v.options());
       for_each_pair(
           b * h, [&] { return PairScratch(q, tq, tk, true); },
           [&](int64_t bh, PairScratch& s) {
@@ -596,9 +712,12 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
     return {gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
-  // `bias` must be contiguous fp32 and outlive the returned parameters.
-  static RowParams row_params(const at::Tensor& bias, int64_t h, int64_t tq, int64_t tk,
-                              int64_t d, double p, int64_t seed, bool causal) {
+  // `bias` (contiguous fp32) and `stats` ((B H Tq, 2) fp32, or empty on the batched path) must
+  // outlive the returned parameters.
+  static RowParams row_params(const at::Tensor& bias, const at::Tensor& stats, int64_t h,
+                              int64_t tq, int64_t tk, int64_t d, double p, int64_t seed,
+                              bool causal) {
+    static_assert(sizeof(RowStats) == 2 * sizeof(float), "RowStats is a (max, 1 / sum) pair");
     return RowParams{bias.const_data_ptr<float>(),
                      bias.size(1),
                      h,
@@ -607,7 +726,8 @@ struct SeededAttention : public torch::autograd::Function<SeededAttention> {
                      static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                      p,
                      Mask(p, seed),
-                     causal};
+                     causal,
+                     reinterpret_cast<RowStats*>(stats.data_ptr<float>())};
   }
 };
 
