@@ -30,8 +30,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Two rounds of a 32-bit integer hash (Wellons' lowbias32) of the element's index, keyed by
-// the seed: 32-bit multiplies, so the mask loop vectorises (AVX2: 8 elements per step).
-inline uint32_t lowbias32(uint32_t x) {
+// the seed: 32-bit multiplies, so the mask loop vectorises (AVX2: 8 elements per step). U is
+// uint32_t or a GCC vector of them (the attention rows draw 16 at once).
+template <typename U>
+inline __attribute__((always_inline)) U lowbias32(U x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -224,20 +226,11 @@ SPRTRAIN_INLINE float lane_sum(f32x16 v) {
 
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-SPRTRAIN_INLINE u32x16 lowbias32_16(u32x16 x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
 // x times the dropout mask of elements first .. first + 15 (the draws of `draw`, 16 at once).
 SPRTRAIN_INLINE f32x16 drop16(f32x16 x, const Mask& m, uint32_t first) {
   const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const u32x16 index = lanes + first;
-  const u32x16 drawn = lowbias32_16(lowbias32_16(index ^ m.key0) + m.key1);
+  const u32x16 drawn = lowbias32(lowbias32(index ^ m.key0) + m.key1);
   return drawn < m.keep_below ? x * m.scale : splat(0.0f);
 }
 
