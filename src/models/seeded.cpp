@@ -250,16 +250,16 @@ SPRTRAIN_INLINE void finish16(f32x16 e, float inv_sum, float* probs, float* out,
 }
 
 // Forward of a row of n scores x: softmax(scale x + bias), then dropout with the mask of
-// elements first .. first + n, written over x; the undropped probabilities into `probs` where
-// not null. Returns the row's statistics, from which backward recomputes it in one pass.
+// elements first .. first + n, written over x. Returns the row's statistics, from which
+// backward recomputes it in one pass.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-RowStats softmax_dropout_row(float* x, const float* bias, float scale, int64_t n, float* probs,
+RowStats softmax_dropout_row(float* x, const float* bias, float scale, int64_t n,
                              const Mask* drop, uint32_t first) {
   const int64_t full = n - n % kLanes;
   // The tail, padded with -inf: it adds nothing to the maximum or the sum.
-  alignas(64) float tail[kLanes], tail_bias[kLanes], tail_probs[kLanes];
+  alignas(64) float tail[kLanes], tail_bias[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) {
     tail[l] = full + l < n ? x[full + l] : -INFINITY;
     tail_bias[l] = full + l < n ? bias[full + l] : 0.0f;
@@ -283,15 +283,11 @@ RowStats softmax_dropout_row(float* x, const float* bias, float scale, int64_t n
   if (full < n) sum += e_tail;
   const float inv_sum = 1.0f / lane_sum(sum);
   for (int64_t j = 0; j < full; j += kLanes) {
-    finish16(load16(x + j), inv_sum, probs != nullptr ? probs + j : nullptr, x + j, drop,
-             first + static_cast<uint32_t>(j));
+    finish16(load16(x + j), inv_sum, nullptr, x + j, drop, first + static_cast<uint32_t>(j));
   }
   if (full < n) {
-    finish16(e_tail, inv_sum, tail_probs, tail, drop, first + static_cast<uint32_t>(full));
-    for (int64_t j = full; j < n; ++j) {
-      x[j] = tail[j - full];
-      if (probs != nullptr) probs[j] = tail_probs[j - full];
-    }
+    finish16(e_tail, inv_sum, nullptr, tail, drop, first + static_cast<uint32_t>(full));
+    std::copy(tail, tail + (n - full), x + full);
   }
   return RowStats{row_max, inv_sum};
 }
@@ -461,17 +457,15 @@ void softmax_dropout_rows(const BlockRows& scores, int64_t r0, int64_t r1, int64
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t g = first_row + r, n = rp.keys_seen(r);
     const auto first = static_cast<uint32_t>(g * rp.tk);
+    // Backward keeps a bf16 block's dropped probabilities in fp32 for the gradient.
+    float* x = scores.open(r, backward ? s.dropped_row(r, rp.tk) : s.row.data(), n);
     if (backward) {
-      float* x = scores.open(r, s.dropped_row(r, rp.tk), n);
       softmax_dropout_row_again(x, rp.bias_of(g), rp.scale, n, rp.stats[g],
                                 s.probs.data() + r * rp.tk, rp.dropout(), first);
-      scores.close(r, x, n, width);
     } else {
-      float* x = scores.open(r, s.row.data(), n);
-      rp.stats[g] =
-          softmax_dropout_row(x, rp.bias_of(g), rp.scale, n, nullptr, rp.dropout(), first);
-      scores.close(r, x, n, width);
+      rp.stats[g] = softmax_dropout_row(x, rp.bias_of(g), rp.scale, n, rp.dropout(), first);
     }
+    scores.close(r, x, n, width);
   }
 }
 
