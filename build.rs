@@ -19,6 +19,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/models/seeded.cpp");
     println!("cargo:rerun-if-changed=src/models/linear_grad.cpp");
     println!("cargo:rerun-if-changed=src/models/ffi.h");
+    println!("cargo:rerun-if-changed=src/models/gemm.h");
     println!("cargo:rerun-if-changed=src/optim_buffers.cpp");
     println!("cargo:rerun-if-changed=src/train/profile.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");

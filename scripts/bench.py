@@ -83,9 +83,11 @@ def cpu_info():
 
 
 def gemm_peak(threads: int, kind: str, quick: bool):
-    """GFLOP/s that libtorch's matmul (the same libtorch and BLAS sprtrain links) sustains:
-    the median of repeated products, for a square GEMM and the model's own shapes (batch x
-    seq = 3072 rows); the peak is the best shape's."""
+    """GFLOP/s that libtorch's products (the same libtorch sprtrain links) sustain: the median
+    of repeated products, for a square GEMM and the model's own shapes (batch x seq = 3072
+    rows); the peak is the best shape's. fp32 reads both libraries libtorch carries, its BLAS
+    (`a @ b`: MKL) and oneDNN's matmul (what sprtrain's `runtime.fp32_gemm` may pick), and
+    takes the faster: MFU is against the best product this machine offers either side."""
     import torch
 
     torch.set_num_threads(threads)
@@ -94,15 +96,28 @@ def gemm_peak(threads: int, kind: str, quick: bool):
     best = {}
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        for _ in range(2):
-            a @ b
-        reps = 3 if quick else 8
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t)
-        best[f"{m}x{k}x{n}"] = 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9
+        products = {"": lambda: a @ b}
+        if kind == "fp32":
+            weight = b.t().contiguous()  # (n, k), a linear layer's layout
+
+            def onednn():
+                return torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], "")
+
+            try:
+                onednn()
+                products[" onednn"] = onednn
+            except RuntimeError:  # oneDNN's fp32 matmul needs AVX-512 BW/VL/DQ
+                pass
+        for label, product in products.items():
+            for _ in range(2):
+                product()
+            reps = 3 if quick else 8
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                product()
+                times.append(time.perf_counter() - t)
+            best[f"{m}x{k}x{n}{label}"] = 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9
     return max(best.values()), best
 
 
@@ -527,7 +542,7 @@ def markdown(rep) -> str:
         + f"; {rep['bench_wall_s'] / 60:.1f} min)",
         f"Machine: {rep['machine']['model']}, {rep['machine']['logical_cpus']} logical CPUs, "
         f"flags {' '.join(rep['machine']['flags'])}; fp32 GEMM peak {peak:.1f} GFLOP/s (2 threads, this run: "
-        "the median rate of the best of four shapes; with row a, the median over its pairs of runs of the higher of the readings before and after the reference's run)",
+        "the median rate of the best of four shapes, fp32 in either of libtorch's libraries (MKL, oneDNN); with row a, the median over its pairs of runs of the higher of the readings before and after the reference's run)",
         "",
         "| row | measure | sprtrain | reference | sprtrain / reference | target | met |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -561,6 +561,10 @@ pub struct RuntimeConfig {
     pub profile_steps: u64,
     /// The first step profiled (1-based); the steps before it warm caches and allocators.
     pub profile_start_step: u64,
+    /// The library of fp32 matrix products (linear layers, attention): "blas" (libtorch's
+    /// at::mm: MKL), "onednn" (libtorch's oneDNN matmul; needs AVX-512 BW/VL/DQ) or "auto"
+    /// (oneDNN on AMD CPUs with AVX-512, where MKL runs its generic AVX2 code; else the BLAS).
+    pub fp32_gemm: Fp32Gemm,
 }
 
 impl Default for RuntimeConfig {
@@ -573,6 +577,26 @@ impl Default for RuntimeConfig {
             sparse_embedding_updates: true,
             profile_steps: 0,
             profile_start_step: 10,
+            fp32_gemm: Fp32Gemm::Auto,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp32Gemm {
+    Auto,
+    Blas,
+    Onednn,
+}
+
+impl Fp32Gemm {
+    /// `auto` becomes oneDNN where the CPU prefers it ([`CpuInfo::prefers_onednn_fp32`]).
+    pub fn resolve(self, cpu: &CpuInfo) -> Fp32Gemm {
+        match self {
+            Fp32Gemm::Auto if cpu.prefers_onednn_fp32() => Fp32Gemm::Onednn,
+            Fp32Gemm::Auto => Fp32Gemm::Blas,
+            g => g,
         }
     }
 }
@@ -848,6 +872,31 @@ mod tests {
             Precision::Bf16.resolve(&CpuInfo::default()),
             Precision::Bf16
         );
+    }
+
+    #[test]
+    fn auto_fp32_gemm_is_onednn_on_amd_with_avx512_only() {
+        let cpu = |vendor: &str, avx512: bool| CpuInfo {
+            vendor: vendor.into(),
+            avx512_bw_vl_dq: avx512,
+            ..Default::default()
+        };
+        let auto = |c: CpuInfo| Fp32Gemm::Auto.resolve(&c);
+        assert_eq!(auto(cpu("AuthenticAMD", true)), Fp32Gemm::Onednn);
+        assert_eq!(auto(cpu("AuthenticAMD", false)), Fp32Gemm::Blas);
+        assert_eq!(auto(cpu("GenuineIntel", true)), Fp32Gemm::Blas);
+        assert_eq!(
+            Fp32Gemm::Blas.resolve(&cpu("AuthenticAMD", true)),
+            Fp32Gemm::Blas
+        );
+        assert_eq!(
+            Fp32Gemm::Onednn.resolve(&cpu("GenuineIntel", false)),
+            Fp32Gemm::Onednn
+        );
+        let parsed = CpuInfo::parse(
+            "vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512dq avx512bw avx512vl\n",
+        );
+        assert!(parsed.prefers_onednn_fp32());
     }
 
     /// configs/reference.toml must be the defaults, each key documented by a comment above it.

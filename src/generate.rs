@@ -186,6 +186,7 @@ pub fn generate(
 
 /// `sprtrain generate`: prints the prompt's continuation.
 pub fn run(args: &GenerateArgs) -> Result<String> {
+    crate::sysinfo::select_fp32_gemm(crate::config::Fp32Gemm::Auto)?;
     let dir: PathBuf = hub::resolve_model_dir(&args.model, &args.revision)?;
     // A LoRA adapter runs on its base model.
     let pretrained = if lora::is_adapter_dir(&dir) {

@@ -326,6 +326,7 @@ pub fn run(args: &PredictArgs) -> Result<(usize, f64)> {
         _ => {}
     }
     let examples = read_examples(&args.input, task)?;
+    crate::sysinfo::select_fp32_gemm(crate::config::Fp32Gemm::Auto)?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
     let pretrained = models::from_pretrained(
         &dir,

@@ -3,15 +3,21 @@
 
 use std::fmt::Write as _;
 
+use crate::config::Fp32Gemm;
+
 /// CPU features that decide the training precision and kernels.
 #[derive(Debug, Clone, Default)]
 pub struct CpuInfo {
     pub model: String,
+    /// `vendor_id`: "GenuineIntel", "AuthenticAMD", ...
+    pub vendor: String,
     pub avx2: bool,
     pub avx512f: bool,
     pub avx512_bf16: bool,
     pub amx_bf16: bool,
     pub amx_tile: bool,
+    /// AVX-512 BW, VL and DQ together: what oneDNN's fp32 matmul needs in libtorch.
+    pub avx512_bw_vl_dq: bool,
 }
 
 impl CpuInfo {
@@ -29,11 +35,13 @@ impl CpuInfo {
         let has = |f: &str| flags.split_whitespace().any(|x| x == f);
         CpuInfo {
             model: value("model name"),
+            vendor: value("vendor_id"),
             avx2: has("avx2"),
             avx512f: has("avx512f"),
             avx512_bf16: has("avx512_bf16"),
             amx_bf16: has("amx_bf16"),
             amx_tile: has("amx_tile"),
+            avx512_bw_vl_dq: has("avx512bw") && has("avx512vl") && has("avx512dq"),
         }
     }
 
@@ -46,6 +54,31 @@ impl CpuInfo {
     /// bf16 pays off only with bf16 units (AMX or AVX512-BF16); elsewhere it is emulated and slow.
     pub fn has_bf16_units(&self) -> bool {
         self.amx_bf16 || self.avx512_bf16
+    }
+
+    /// Whether fp32 products run faster through oneDNN than through libtorch's BLAS (MKL): on
+    /// AMD CPUs with AVX-512, where MKL takes its generic AVX2 path and oneDNN its AVX-512
+    /// kernels (5-15% faster at the bench models' shapes on a Zen 4 EPYC; docs/benchmarks.md,
+    /// round 11). On Intel CPUs MKL runs its own AVX-512 kernels: not measured against oneDNN,
+    /// so the BLAS stays.
+    pub fn prefers_onednn_fp32(&self) -> bool {
+        self.vendor == "AuthenticAMD" && self.avx512_bw_vl_dq
+    }
+}
+
+/// Picks the library of this process's fp32 products (`runtime.fp32_gemm`, resolved for this
+/// CPU) before any product runs, and returns the one in use. Where oneDNN refuses the CPU, an
+/// explicit "onednn" is an error and "auto" falls back to the BLAS with a warning.
+pub fn select_fp32_gemm(choice: Fp32Gemm) -> anyhow::Result<Fp32Gemm> {
+    let resolved = choice.resolve(&CpuInfo::detect());
+    match crate::models::layers::use_onednn_fp32(resolved == Fp32Gemm::Onednn) {
+        Ok(()) => Ok(resolved),
+        Err(e) if choice == Fp32Gemm::Auto => {
+            tracing::warn!("fp32 products through the BLAS: oneDNN refused this CPU ({e})");
+            crate::models::layers::use_onednn_fp32(false).map_err(anyhow::Error::msg)?;
+            Ok(Fp32Gemm::Blas)
+        }
+        Err(e) => anyhow::bail!("runtime.fp32_gemm = \"onednn\": {e}"),
     }
 }
 
@@ -134,6 +167,15 @@ pub fn report() -> String {
         s,
         "MPI              standard {major}.{minor}: {}",
         mpi.lines().next().unwrap_or("").trim()
+    );
+    let _ = writeln!(
+        s,
+        "fp32 gemm auto   {}",
+        if cpu.prefers_onednn_fp32() {
+            "onednn (an AMD CPU with AVX-512: MKL would take its generic AVX2 path)"
+        } else {
+            "blas (libtorch's at::mm)"
+        }
     );
     let _ = writeln!(
         s,

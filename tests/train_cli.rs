@@ -171,6 +171,60 @@ fn lazy_embedding_rows_train_as_dense_updates() {
     assert!(moved > 1e-4, "the word embeddings did not train: {moved}");
 }
 
+/// `runtime.fp32_gemm`: the linear layers' fp32 products through oneDNN train the tiny BERT as
+/// the BLAS does, to rounding (8 steps with accumulation, dropout and AdamW); where oneDNN
+/// does not run on the CPU, asking for it is refused with one line.
+#[test]
+fn fp32_products_through_onednn_train_as_through_the_blas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_data(tmp.path());
+    let mut runs = Vec::new();
+    for gemm in ["blas", "onednn"] {
+        let out = tmp.path().join(gemm);
+        let config = run_config(&data, &out)
+            .set("train.save_steps", 0)
+            .set("eval.strategy", "no")
+            .set("runtime.precision", "fp32")
+            .set("runtime.fp32_gemm", gemm);
+        let output = run(&[
+            "--config",
+            write(tmp.path(), &out, config).to_str().unwrap(),
+        ]);
+        let text = String::from_utf8_lossy(&output.stderr).to_string();
+        if gemm == "onednn" && !sprtrain::sysinfo::CpuInfo::detect().avx512_bw_vl_dq {
+            assert!(!output.status.success());
+            assert!(text.contains("runtime.fp32_gemm = \"onednn\""), "{text}");
+            eprintln!("skipped the comparison: oneDNN's fp32 matmul does not run on this CPU");
+            return;
+        }
+        let text = ok(output);
+        let name = if gemm == "blas" { "Blas" } else { "Onednn" };
+        assert!(text.contains(&format!("fp32 products {name}")), "{text}");
+        runs.push((train_losses(&out), weight_values(&out)));
+    }
+    let ((blas_losses, blas), (onednn_losses, onednn)) = (&runs[0], &runs[1]);
+    assert_eq!(blas_losses.len(), 8);
+    // Two libraries sum in different orders: fp32 rounding (~1e-7 relative a product) grows
+    // through 8 updates, but stays orders of magnitude below 1e-4.
+    for ((step, a), (_, b)) in blas_losses.iter().zip(onednn_losses) {
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "step {step}: {a} vs {b}");
+    }
+    for ((name, a), (_, b)) in blas.iter().zip(onednn) {
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= 1e-4 * y.abs().max(1e-2),
+                "{name}: {x} vs {y}"
+            );
+        }
+    }
+    assert!(
+        blas_losses
+            .iter()
+            .any(|x| (x.1 - blas_losses[0].1).abs() > 1e-3),
+        "{blas_losses:?}"
+    );
+}
+
 /// `runtime.profile_steps`: libtorch's profiler over steps 3 and 4 of 5 writes a Chrome trace
 /// and a table of the operators those steps ran, and changes nothing of the training.
 #[test]

@@ -131,7 +131,24 @@ mod kernels {
             compute: std::ffi::c_int,
             error: *mut *mut c_char,
         ) -> *mut C_tensor;
+        fn sprtrain_set_fp32_gemm(onednn: bool, error: *mut *mut c_char) -> bool;
         fn sprtrain_free_error(error: *mut c_char);
+    }
+
+    /// Runs fp32 products through oneDNN (`onednn`) or libtorch's BLAS from now on, in the
+    /// whole process (src/models/gemm.h); Err with oneDNN's reason where it refuses this CPU.
+    pub fn set_fp32_gemm(onednn: bool) -> Result<(), String> {
+        let mut error = std::ptr::null_mut();
+        // SAFETY: no tensors cross; on failure the message is malloc'd and freed here.
+        if unsafe { sprtrain_set_fp32_gemm(onednn, &mut error) } {
+            return Ok(());
+        }
+        // SAFETY: as in `wrap`.
+        let msg = unsafe { CStr::from_ptr(error) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { sprtrain_free_error(error) };
+        Err(msg)
     }
 
     /// Takes ownership of a kernel's result, or turns its error into a panic: the kernels fail
@@ -222,6 +239,13 @@ mod kernels {
         };
         wrap(out, error, "linear layer")
     }
+}
+
+/// Runs every fp32 matrix product of the models (linear layers, attention) through oneDNN's
+/// matmul (`onednn`) or through libtorch's BLAS, process-wide; Err with the reason where
+/// oneDNN refuses this CPU (the BLAS then stays).
+pub fn use_onednn_fp32(onednn: bool) -> Result<(), String> {
+    kernels::set_fp32_gemm(onednn)
 }
 
 /// Restores the previous autocast state when dropped.

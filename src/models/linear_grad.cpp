@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ffi.h"
+#include "gemm.h"
 
 namespace {
 
@@ -127,7 +128,7 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     // leaves, but a list in saved_data says so without relying on it).
     ctx->saved_data["weights"] = weights.vec();
     ctx->saved_data["biases"] = biases.vec();
-    return at::linear(xc, w, b);
+    return sprtrain_gemm::linear(xc, w, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -144,7 +145,7 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
     const bool same_dtype = w.scalar_type() == weights[0].scalar_type();
     const auto add_product = [&](at::Tensor& target) {
       if (same_dtype) {
-        target.addmm_(dy.t(), x2);
+        sprtrain_gemm::product(target, dy.t(), x2, 1.0f);
       } else {
         target.add_(dy.t().mm(x2));
       }
@@ -152,7 +153,8 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
 
     variable_list result;
     // In the compute dtype; autograd casts it to x's own, as for any input.
-    result.push_back(ctx->needs_input_grad(0) ? dy.mm(w).view(x.sizes()) : at::Tensor());
+    result.push_back(ctx->needs_input_grad(0) ? sprtrain_gemm::product(dy, w).view(x.sizes())
+                                              : at::Tensor());
     const size_t n = weights.size();
     bool any_weight = false;  // LoRA's frozen base weights need none
     for (size_t i = 0; i < n; ++i) any_weight = any_weight || ctx->needs_input_grad(1 + i);
@@ -164,11 +166,13 @@ struct AccumulatingLinear : public torch::autograd::Function<AccumulatingLinear>
       result.insert(result.end(), n, at::Tensor());
     } else if (n == 1) {
       result.push_back(accumulate(
-          weights[0], [&] { return dy.t().mm(x2).to(weights[0].scalar_type()); }, add_product));
+          weights[0],
+          [&] { return sprtrain_gemm::product(dy.t(), x2).to(weights[0].scalar_type()); },
+          add_product));
     } else {
       // Apart in memory: one product for all (one narrower product a layer measured slower
       // at DistilBERT's 3072 rows), its rows added into each .grad.
-      const at::Tensor all = dy.t().mm(x2);  // (sum of out_i, in)
+      const at::Tensor all = sprtrain_gemm::product(dy.t(), x2);  // (sum of out_i, in)
       add_parts(ctx, 1, weights, all, result);
     }
     bool any_bias = false;
@@ -196,6 +200,31 @@ bool any_requires_grad(at::TensorList ts) {
 
 extern "C" {
 
+// fp32 products through oneDNN (`onednn`) or libtorch's BLAS from now on, process-wide. Turning
+// oneDNN on first checks one product against at::mm's (its inputs made without touching
+// libtorch's random generator, which seeds the model): false with *error set where oneDNN
+// refuses this CPU or disagrees, the BLAS staying in use.
+bool sprtrain_set_fp32_gemm(bool onednn, char** error) {
+  *error = nullptr;
+  if (!onednn) {
+    sprtrain_gemm::fp32_onednn.store(false);
+    return true;
+  }
+  try {
+    const at::Tensor a = at::arange(96 * 40, at::kFloat).remainder(17.0).sub(8.0).view({96, 40});
+    const at::Tensor b = at::arange(40 * 72, at::kFloat).remainder(13.0).sub(6.0).view({40, 72});
+    at::Tensor out = at::empty({96, 72}, a.options());
+    at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
+    // Small integers: every partial sum is exact in fp32, so the two must agree exactly.
+    TORCH_CHECK(out.equal(a.mm(b)), "oneDNN's fp32 product differs from at::mm's");
+  } catch (const std::exception& e) {
+    *error = sprtrain_ffi::copy_message(e.what());
+    return false;
+  }
+  sprtrain_gemm::fp32_onednn.store(true);
+  return true;
+}
+
 // x @ cat(weights).T + cat(biases) for (..., in) x and `n_weights` (out_i, in) weights, with
 // no biases or one (out_i) per weight; returns (..., sum of out_i). Under autograd, each
 // weight's (and bias's) gradient is added into its .grad by the backward GEMM itself.
@@ -216,7 +245,7 @@ at::Tensor* sprtrain_accumulating_linear(const at::Tensor* x, const at::Tensor* 
         !(x->requires_grad() || any_requires_grad(ws) || any_requires_grad(bs))) {
       std::optional<at::Tensor> b;
       if (!bs.empty()) b = concat_as(bs, kind);
-      return at::linear(x->to(kind), concat_as(ws, kind), b);
+      return sprtrain_gemm::linear(x->to(kind), concat_as(ws, kind), b);
     }
     // As TensorLists, so that autograd counts every weight and bias as an input.
     return AccumulatingLinear::apply(*x, at::TensorList(ws), at::TensorList(bs), kind);

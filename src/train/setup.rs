@@ -225,9 +225,10 @@ pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
     let threads =
         sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
     tch::set_num_threads(threads.count as i32);
+    let gemm = sysinfo::select_fp32_gemm(config.runtime.fp32_gemm)?;
     if dist.is_root() {
         tracing::info!(
-            "precision {precision:?}, {} process(es), allocator {}",
+            "precision {precision:?}, fp32 products {gemm:?}, {} process(es), allocator {}",
             dist.topo.world,
             crate::allocator::in_use()
         );

@@ -1,0 +1,75 @@
+// The fp32 matrix products of sprtrain's linear layers (src/models/linear_grad.cpp), and which
+// library runs them: the BLAS libtorch's at::mm calls (MKL in PyPI's wheels), or oneDNN's
+// matmul primitive, which libtorch also carries (it runs libtorch's bf16 products).
+//
+// Why a choice: on AMD CPUs MKL takes its generic ("def", AVX2) code path; oneDNN picks its
+// kernels by instruction set alone and runs AVX-512 there. On a Zen 4 EPYC (2 threads), at the
+// bench models' shapes, oneDNN's fp32 products measured 5-15% faster in every direction
+// (forward, input gradient, accumulating weight gradient; docs/benchmarks.md, round 11). Both
+// are fp32 throughout (oneDNN's default fpmath mode is strict): results differ in summation
+// order only. The Rust side picks (`runtime.fp32_gemm`) once per process, before any product.
+// The per-pair attention (seeded.cpp) keeps at::mm: its (384 x 64)-sized products measured no
+// faster through oneDNN, whose per-call set-up and copies of strided operands ate the gain.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <optional>
+#include <vector>
+
+namespace at::native {
+// Declared by ATen/native/mkldnn/Matmul.h (TORCH_API; the wheel does not ship that header):
+// result = beta * result + alpha * mat1 @ mat2 through oneDNN. It checks the CPU (AVX-512 BW,
+// VL and DQ, or AVX-NE-CONVERT) and throws elsewhere.
+void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
+                   float beta, float alpha);
+}  // namespace at::native
+
+namespace sprtrain_gemm {
+
+// Whether fp32 products go through oneDNN (set once by sprtrain_set_fp32_gemm).
+inline std::atomic<bool> fp32_onednn{false};
+
+// out = beta * out + a @ b for 2-D a (m, k), b (k, n) and out (m, n): every sprtrain product
+// of fp32 operands in the chosen library, others (bf16) through ATen as before. beta 0 never
+// reads out. Operands may be transposed views; oneDNN copies other strided ones first.
+inline void product(at::Tensor out, const at::Tensor& a, const at::Tensor& b, float beta) {
+  if (fp32_onednn.load(std::memory_order_relaxed) && out.scalar_type() == at::kFloat &&
+      a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) {
+    at::native::mkldnn_matmul(a, b, out, beta, 1.0f);
+  } else if (beta == 0.0f) {
+    at::mm_out(out, a, b);
+  } else {
+    out.addmm_(a, b, beta, 1.0);
+  }
+}
+
+// a @ b as a new (m, n) tensor.
+inline at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  product(out, a, b, 0.0f);
+  return out;
+}
+
+// x @ w^T + bias for x (..., in), w (out, in), bias (out) or none: at::linear, with fp32
+// products in the chosen library. Returns (..., out).
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias) {
+  if (!(fp32_onednn.load(std::memory_order_relaxed) && x.scalar_type() == at::kFloat &&
+        w.scalar_type() == at::kFloat)) {
+    return at::linear(x, w, bias);
+  }
+  const int64_t in = w.size(1), out_features = w.size(0);
+  const at::Tensor x2 = x.reshape({-1, in});  // (rows, in)
+  at::Tensor y = at::empty({x2.size(0), out_features}, x2.options());
+  // The bias as the product's starting value (beta = 1), as addmm does.
+  if (bias.has_value()) y.copy_(bias->expand_as(y));
+  product(y, x2, w.t(), bias.has_value() ? 1.0f : 0.0f);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  return y.view(shape);
+}
+
+}  // namespace sprtrain_gemm
