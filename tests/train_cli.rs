@@ -185,7 +185,10 @@ fn fp32_products_through_onednn_train_as_through_the_blas() {
             .set("train.save_steps", 0)
             .set("eval.strategy", "no")
             .set("runtime.precision", "fp32")
-            .set("runtime.fp32_gemm", gemm);
+            .set("runtime.fp32_gemm", gemm)
+            // The profiler names oneDNN's products as it names at::mm.
+            .set("runtime.profile_steps", 2)
+            .set("runtime.profile_start_step", 3);
         let output = run(&[
             "--config",
             write(tmp.path(), &out, config).to_str().unwrap(),
@@ -200,6 +203,12 @@ fn fp32_products_through_onednn_train_as_through_the_blas() {
         let text = ok(output);
         let name = if gemm == "blas" { "Blas" } else { "Onednn" };
         assert!(text.contains(&format!("fp32 products {name}")), "{text}");
+        let ops = std::fs::read_to_string(out.join("profile").join("ops.md")).unwrap();
+        assert_eq!(
+            ops.contains("| `sprtrain::onednn_mm` |"),
+            gemm == "onednn",
+            "{ops}"
+        );
         runs.push((train_losses(&out), weight_values(&out)));
     }
     let ((blas_losses, blas), (onednn_losses, onednn)) = (&runs[0], &runs[1]);
@@ -239,7 +248,9 @@ fn profile_steps_write_a_trace_and_a_table_of_operators() {
             .set("train.save_steps", 0)
             .set("eval.strategy", "no")
             .set("runtime.profile_steps", steps)
-            .set("runtime.profile_start_step", 3);
+            .set("runtime.profile_start_step", 3)
+            // libtorch's own products (aten::addmm, aten::mm), checked below by name.
+            .set("runtime.fp32_gemm", "blas");
         let stderr = ok(run(&[
             "--config",
             write(tmp.path(), &out, config).to_str().unwrap(),

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <optional>
@@ -38,6 +39,8 @@ inline std::atomic<bool> fp32_onednn{false};
 inline void product(at::Tensor out, const at::Tensor& a, const at::Tensor& b, float beta) {
   if (fp32_onednn.load(std::memory_order_relaxed) && out.scalar_type() == at::kFloat &&
       a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) {
+    // Not an ATen operator: named for libtorch's profiler (runtime.profile_steps), as at::mm is.
+    RECORD_FUNCTION("sprtrain::onednn_mm", std::vector<c10::IValue>({a, b}));
     at::native::mkldnn_matmul(a, b, out, beta, 1.0f);
   } else if (beta == 0.0f) {
     at::mm_out(out, a, b);
