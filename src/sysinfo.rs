@@ -75,7 +75,6 @@ pub fn select_fp32_gemm(choice: Fp32Gemm) -> anyhow::Result<Fp32Gemm> {
         Ok(()) => Ok(resolved),
         Err(e) if choice == Fp32Gemm::Auto => {
             tracing::warn!("fp32 products through the BLAS: oneDNN refused this CPU ({e})");
-            crate::models::layers::use_onednn_fp32(false).map_err(anyhow::Error::msg)?;
             Ok(Fp32Gemm::Blas)
         }
         Err(e) => anyhow::bail!("runtime.fp32_gemm = \"onednn\": {e}"),

@@ -139,28 +139,29 @@ mod kernels {
     /// whole process (src/models/gemm.h); Err with oneDNN's reason where it refuses this CPU.
     pub fn set_fp32_gemm(onednn: bool) -> Result<(), String> {
         let mut error = std::ptr::null_mut();
-        // SAFETY: no tensors cross; on failure the message is malloc'd and freed here.
+        // SAFETY: no tensors cross; on failure `error` is set.
         if unsafe { sprtrain_set_fp32_gemm(onednn, &mut error) } {
             return Ok(());
         }
-        // SAFETY: as in `wrap`.
+        Err(take_error(error))
+    }
+
+    /// A kernel's error message, freed: on failure the kernels return a NUL-terminated message
+    /// from malloc.
+    fn take_error(error: *mut c_char) -> String {
+        // SAFETY: see above; nothing else holds the message.
         let msg = unsafe { CStr::from_ptr(error) }
             .to_string_lossy()
             .into_owned();
         unsafe { sprtrain_free_error(error) };
-        Err(msg)
+        msg
     }
 
     /// Takes ownership of a kernel's result, or turns its error into a panic: the kernels fail
     /// only on shapes the model code itself builds, i.e. on a bug.
     fn wrap(out: *mut C_tensor, error: *mut c_char, what: &str) -> Tensor {
         if out.is_null() {
-            // SAFETY: on failure the kernel returns a NUL-terminated message from malloc.
-            let msg = unsafe { CStr::from_ptr(error) }
-                .to_string_lossy()
-                .into_owned();
-            unsafe { sprtrain_free_error(error) };
-            panic!("{what}: {msg}");
+            panic!("{what}: {}", take_error(error));
         }
         // SAFETY: `out` is a new at::Tensor* that nobody else owns.
         unsafe { Tensor::from_ptr(out) }
@@ -241,9 +242,9 @@ mod kernels {
     }
 }
 
-/// Runs every fp32 matrix product of the models (linear layers, attention) through oneDNN's
+/// Runs the linear layers' fp32 matrix products (attention keeps the BLAS) through oneDNN's
 /// matmul (`onednn`) or through libtorch's BLAS, process-wide; Err with the reason where
-/// oneDNN refuses this CPU (the BLAS then stays).
+/// oneDNN refuses this CPU (the BLAS is then in use).
 pub fn use_onednn_fp32(onednn: bool) -> Result<(), String> {
     kernels::set_fp32_gemm(onednn)
 }

@@ -203,7 +203,7 @@ extern "C" {
 // fp32 products through oneDNN (`onednn`) or libtorch's BLAS from now on, process-wide. Turning
 // oneDNN on first checks one product against at::mm's (its inputs made without touching
 // libtorch's random generator, which seeds the model): false with *error set where oneDNN
-// refuses this CPU or disagrees, the BLAS staying in use.
+// refuses this CPU or disagrees, the BLAS then in use.
 bool sprtrain_set_fp32_gemm(bool onednn, char** error) {
   *error = nullptr;
   if (!onednn) {
@@ -218,6 +218,7 @@ bool sprtrain_set_fp32_gemm(bool onednn, char** error) {
     // Small integers: every partial sum is exact in fp32, so the two must agree exactly.
     TORCH_CHECK(out.equal(a.mm(b)), "oneDNN's fp32 product differs from at::mm's");
   } catch (const std::exception& e) {
+    sprtrain_gemm::fp32_onednn.store(false);
     *error = sprtrain_ffi::copy_message(e.what());
     return false;
   }
