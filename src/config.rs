@@ -561,10 +561,10 @@ pub struct RuntimeConfig {
     pub profile_steps: u64,
     /// The first step profiled (1-based); the steps before it warm caches and allocators.
     pub profile_start_step: u64,
-    /// The library of the linear layers' fp32 matrix products (attention keeps the BLAS):
-    /// "blas" (libtorch's at::mm: MKL), "onednn" (libtorch's oneDNN matmul; needs AVX-512
-    /// BW/VL/DQ) or "auto" (oneDNN on AMD CPUs with AVX-512, where MKL runs its generic AVX2
-    /// code; else the BLAS).
+    /// The library of fp32 matrix products (linear layers, per-pair attention): "blas"
+    /// (libtorch's at::mm: MKL), "onednn" (libtorch's oneDNN: matmul for the layers, the brgemm
+    /// microkernel for attention; needs AVX-512 BW/VL/DQ) or "auto" (oneDNN on AMD CPUs with
+    /// AVX-512, where MKL runs its generic AVX2 code; else the BLAS).
     pub fp32_gemm: Fp32Gemm,
 }
 

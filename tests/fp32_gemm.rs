@@ -1,7 +1,8 @@
 //! `runtime.fp32_gemm = "onednn"`: the linear layers' fp32 products through libtorch's oneDNN
 //! matmul give libtorch's own `linear` (its BLAS) results, forward and backward, on the paths
 //! the layers take (bias as the product's start, the input gradient, a weight gradient made
-//! new on the first backward and added in place by the product on the second). One test in its
+//! new on the first backward and added in place by the product on the second); the per-pair
+//! attention's products through oneDNN's brgemm microkernel give the BLAS's. One test in its
 //! own process: the choice is process-wide.
 
 use sprtrain::config::Fp32Gemm;
@@ -22,7 +23,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 #[test]
-fn linear_layers_through_onednn_match_libtorchs_blas() {
+fn fp32_products_through_onednn_match_libtorchs_blas() {
     if let Err(e) = sysinfo::select_fp32_gemm(Fp32Gemm::Onednn) {
         // Only a CPU without what oneDNN's fp32 matmul needs may refuse it.
         assert!(
@@ -60,6 +61,23 @@ fn linear_layers_through_onednn_match_libtorchs_blas() {
     }
     // Without a bias, and back on the BLAS: the same products.
     let without = layers::linear(&x, &w, None);
+    // The per-pair attention, each case through oneDNN then the BLAS: (B, T, 3 H D)
+    // projections of 3 sequences, 4 heads of 16, padded to lengths (T, 20, 5).
+    // - 37 positions: (37, 16) x (16, 37) products, no multiple of 8 (the transposes' blocks);
+    // - 5 queries of 37 keys: P^T dO with a (5, 37) P, taken as it stands, not transposed;
+    // - 300 positions, causal: query tiles of 128, 128 and 44 against growing key ranges.
+    let cases = [(37, 37, false), (37, 5, false), (300, 300, true)];
+    let mut onednn = Vec::new();
+    for &(t, queries, causal) in &cases {
+        tch::manual_seed(t + queries);
+        let fused = leaf(&[3, t, 3 * 4 * 16]);
+        let grad_out = Tensor::randn([3, 4, queries, 16], (Kind::Float, Device::Cpu));
+        onednn.push((
+            fused.shallow_clone(),
+            grad_out.shallow_clone(),
+            attention(&fused, queries, causal, &grad_out),
+        ));
+    }
     sysinfo::select_fp32_gemm(Fp32Gemm::Blas).unwrap();
     let blas = layers::linear(&x, &w, None);
     let d = max_diff(&without, &blas);
@@ -67,4 +85,44 @@ fn linear_layers_through_onednn_match_libtorchs_blas() {
         d < 1e-4,
         "without a bias: oneDNN and the BLAS differ by {d:e}"
     );
+    for (&(t, queries, causal), (fused, grad_out, (out, grad))) in cases.iter().zip(&onednn) {
+        let (want, want_grad) = attention(fused, queries, causal, grad_out);
+        // Outputs near 1, gradients near 10: sums of at most 300 fp32 products in another
+        // order differ by ~1e-6.
+        let what = format!("{queries} queries of {t} keys, causal {causal}");
+        let d = max_diff(out, &want);
+        assert!(d < 1e-5, "{what}: attention outputs differ by {d:e}");
+        let d = max_diff(grad, &want_grad);
+        assert!(d < 1e-4, "{what}: attention gradients differ by {d:e}");
+        assert!(
+            f64::try_from(grad.abs().max()).unwrap() > 1.0,
+            "trivial gradients"
+        );
+    }
+}
+
+/// Seeded attention on its per-pair path, with dropout, of q, k, v taken as (B, H, T, D) views
+/// of one (B, T, 3 H D) projection (as the models pass them), the first `queries` positions
+/// asking: the output and the projection's gradient for `grad_out`.
+fn attention(fused: &Tensor, queries: i64, causal: bool, grad_out: &Tensor) -> (Tensor, Tensor) {
+    let fused = copy(fused);
+    let (b, t, width) = fused.size3().unwrap();
+    let (heads, d) = (4, width / 12);
+    let part = |i: i64| {
+        fused
+            .narrow(2, i * heads * d, heads * d)
+            .view([b, t, heads, d])
+            .transpose(1, 2)
+    };
+    let lengths = Tensor::from_slice(&[t, 20, 5]).view([b, 1]);
+    let positions = Tensor::arange(t, (Kind::Int64, Device::Cpu)).view([1, t]);
+    let keys = layers::key_mask(&positions.lt_tensor(&lengths));
+    let q = part(0).narrow(2, 0, queries);
+    let out = if causal {
+        layers::seeded_causal_attention(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
+    } else {
+        layers::seeded_attention_with(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
+    };
+    (&out * grad_out).sum(Kind::Float).backward();
+    (out.detach(), fused.grad())
 }

@@ -8,8 +8,9 @@
 // (forward, input gradient, accumulating weight gradient; docs/benchmarks.md, round 11). Both
 // are fp32 throughout (oneDNN's default fpmath mode is strict): results differ in summation
 // order only. The Rust side picks (`runtime.fp32_gemm`) once per process, before any product.
-// The per-pair attention (seeded.cpp) keeps at::mm: its (384 x 64)-sized products measured no
-// faster through oneDNN, whose per-call set-up and copies of strided operands ate the gain.
+// The per-pair attention's (T x 64)-sized products (seeded.cpp) go through oneDNN's brgemm
+// microkernel instead of its matmul primitive, whose per-call set-up and copies of strided
+// operands ate the gain at those sizes.
 
 #pragma once
 
