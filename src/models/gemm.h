@@ -1,6 +1,7 @@
-// The fp32 matrix products of sprtrain's linear layers (src/models/linear_grad.cpp), and which
-// library runs them: the BLAS libtorch's at::mm calls (MKL in PyPI's wheels), or oneDNN's
-// matmul primitive, which libtorch also carries (it runs libtorch's bf16 products).
+// The fp32 matrix products of sprtrain's linear layers (src/models/linear_grad.cpp) and
+// per-pair attention (seeded.cpp), and which library runs them: the BLAS libtorch's at::mm
+// calls (MKL in PyPI's wheels), or oneDNN, which libtorch also carries (it runs libtorch's
+// bf16 products): its matmul primitive for the layers, its brgemm microkernel for attention.
 //
 // Why a choice: on AMD CPUs MKL takes its generic ("def", AVX2) code path; oneDNN picks its
 // kernels by instruction set alone and runs AVX-512 there. On a Zen 4 EPYC (2 threads), at the

@@ -242,9 +242,9 @@ mod kernels {
     }
 }
 
-/// Runs the linear layers' fp32 matrix products (attention keeps the BLAS) through oneDNN's
-/// matmul (`onednn`) or through libtorch's BLAS, process-wide; Err with the reason where
-/// oneDNN refuses this CPU (the BLAS is then in use).
+/// Runs the models' fp32 matrix products through oneDNN (`onednn`: its matmul for the linear
+/// layers, its brgemm microkernel for the per-pair attention) or through libtorch's BLAS,
+/// process-wide; Err with the reason where oneDNN refuses this CPU (the BLAS is then in use).
 pub fn use_onednn_fp32(onednn: bool) -> Result<(), String> {
     kernels::set_fp32_gemm(onednn)
 }

@@ -491,7 +491,7 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 // src (rows, cols; rows ld_src apart) transposed into dst (cols, rows; rows ld_dst apart): 8 x 8
 // blocks transposed in registers by three rounds of two-vector shuffles (round s swaps bit s of
 // the row number with bit s of the column number), the edges element by element. The scalar
-// loop over 16 x 16 blocks it replaced took a third as long as the products it fed.
+// loop over 16 x 16 blocks it replaced held 12% of an attention layer's perf samples.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
