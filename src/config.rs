@@ -563,8 +563,10 @@ pub struct RuntimeConfig {
     pub profile_start_step: u64,
     /// The library of fp32 matrix products (linear layers, per-pair attention): "blas"
     /// (libtorch's at::mm: MKL), "onednn" (libtorch's oneDNN: matmul for the layers, the brgemm
-    /// microkernel for attention; needs AVX-512 BW/VL/DQ) or "auto" (oneDNN on AMD CPUs with
-    /// AVX-512, where MKL runs its generic AVX2 code; else the BLAS).
+    /// microkernel for attention; needs AVX-512 BW/VL/DQ), "blas+brgemm" (the BLAS for the
+    /// layers, oneDNN's microkernel for attention) or "auto" (oneDNN on AMD CPUs with AVX-512,
+    /// where MKL runs its generic AVX2 code; "blas+brgemm" on other CPUs with AVX-512; else the
+    /// BLAS).
     pub fp32_gemm: Fp32Gemm,
 }
 
@@ -589,16 +591,33 @@ pub enum Fp32Gemm {
     Auto,
     Blas,
     Onednn,
+    /// The BLAS for the linear layers, oneDNN's brgemm microkernel for per-pair attention.
+    #[serde(rename = "blas+brgemm")]
+    BlasBrgemm,
 }
 
 impl Fp32Gemm {
-    /// `auto` becomes oneDNN where the CPU prefers it ([`CpuInfo::prefers_onednn_fp32`]).
+    /// `auto` becomes oneDNN where the CPU prefers it ([`CpuInfo::prefers_onednn_fp32`]), else
+    /// the BLAS, with attention through oneDNN's microkernel where the CPU has AVX-512 (on an
+    /// Intel Xeon with AMX, MKL ran the layers faster than oneDNN's matmul and the microkernel
+    /// ran attention faster than MKL: docs/benchmarks.md, round 13).
     pub fn resolve(self, cpu: &CpuInfo) -> Fp32Gemm {
         match self {
             Fp32Gemm::Auto if cpu.prefers_onednn_fp32() => Fp32Gemm::Onednn,
+            Fp32Gemm::Auto if cpu.avx512_bw_vl_dq => Fp32Gemm::BlasBrgemm,
             Fp32Gemm::Auto => Fp32Gemm::Blas,
             g => g,
         }
+    }
+
+    /// Whether the linear layers' products go through oneDNN's matmul.
+    pub fn layers_onednn(self) -> bool {
+        self == Fp32Gemm::Onednn
+    }
+
+    /// Whether the per-pair attention's products go through oneDNN's brgemm microkernel.
+    pub fn attention_brgemm(self) -> bool {
+        matches!(self, Fp32Gemm::Onednn | Fp32Gemm::BlasBrgemm)
     }
 }
 
@@ -876,7 +895,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_fp32_gemm_is_onednn_on_amd_with_avx512_only() {
+    fn auto_fp32_gemm_is_onednn_on_amd_and_brgemm_attention_on_intel_with_avx512() {
         let cpu = |vendor: &str, avx512: bool| CpuInfo {
             vendor: vendor.into(),
             avx512_bw_vl_dq: avx512,
@@ -885,7 +904,8 @@ mod tests {
         let auto = |c: CpuInfo| Fp32Gemm::Auto.resolve(&c);
         assert_eq!(auto(cpu("AuthenticAMD", true)), Fp32Gemm::Onednn);
         assert_eq!(auto(cpu("AuthenticAMD", false)), Fp32Gemm::Blas);
-        assert_eq!(auto(cpu("GenuineIntel", true)), Fp32Gemm::Blas);
+        assert_eq!(auto(cpu("GenuineIntel", true)), Fp32Gemm::BlasBrgemm);
+        assert_eq!(auto(cpu("GenuineIntel", false)), Fp32Gemm::Blas);
         assert_eq!(
             Fp32Gemm::Blas.resolve(&cpu("AuthenticAMD", true)),
             Fp32Gemm::Blas

@@ -2,8 +2,8 @@
 //! matmul give libtorch's own `linear` (its BLAS) results, forward and backward, on the paths
 //! the layers take (bias as the product's start, the input gradient, a weight gradient made
 //! new on the first backward and added in place by the product on the second); the per-pair
-//! attention's products through oneDNN's brgemm microkernel give the BLAS's. One test in its
-//! own process: the choice is process-wide.
+//! attention's products through oneDNN's brgemm microkernel give the BLAS's, and the same bits
+//! under "blas+brgemm". One test in its own process: the choice is process-wide.
 
 use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers;
@@ -77,6 +77,16 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
             grad_out.shallow_clone(),
             attention(&fused, queries, causal, &grad_out),
         ));
+    }
+    // "blas+brgemm" (the BLAS for the layers): attention through the same microkernel, so the
+    // same bits.
+    sysinfo::select_fp32_gemm(Fp32Gemm::BlasBrgemm).unwrap();
+    for (&(t, queries, causal), (fused, grad_out, (out, grad))) in cases.iter().zip(&onednn) {
+        let (again, again_grad) = attention(fused, queries, causal, grad_out);
+        assert!(
+            again.equal(out) && again_grad.equal(grad),
+            "{queries} queries of {t} keys, causal {causal}: blas+brgemm's attention is not onednn's"
+        );
     }
     sysinfo::select_fp32_gemm(Fp32Gemm::Blas).unwrap();
     let blas = layers::linear(&x, &w, None);

@@ -11,7 +11,10 @@
 // order only. The Rust side picks (`runtime.fp32_gemm`) once per process, before any product.
 // The per-pair attention's (T x 64)-sized products (seeded.cpp) go through oneDNN's brgemm
 // microkernel instead of its matmul primitive, whose per-call set-up and copies of strided
-// operands ate the gain at those sizes.
+// operands ate the gain at those sizes. On an Intel Xeon with AMX (2 threads) MKL's own AVX-512
+// kernels ran the layers faster than oneDNN's matmul (a DistilBERT step 2.55 s against 3.35),
+// but the microkernel still ran attention faster than MKL (the step 69 ms shorter, median of 7
+// pairs): there the layers keep the BLAS and attention takes the microkernel ("blas+brgemm").
 
 #pragma once
 
@@ -32,8 +35,10 @@ void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Ten
 
 namespace sprtrain_gemm {
 
-// Whether fp32 products go through oneDNN (set once by sprtrain_set_fp32_gemm).
+// Whether the linear layers' fp32 products go through oneDNN's matmul, and whether the per-pair
+// attention's go through its brgemm microkernel (each set once by sprtrain_set_fp32_gemm).
 inline std::atomic<bool> fp32_onednn{false};
+inline std::atomic<bool> attention_brgemm{false};
 
 // out = beta * out + a @ b for 2-D a (m, k), b (k, n) and out (m, n): every sprtrain product
 // of fp32 operands in the chosen library, others (bf16) through ATen as before. beta 0 never

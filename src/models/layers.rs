@@ -131,16 +131,22 @@ mod kernels {
             compute: std::ffi::c_int,
             error: *mut *mut c_char,
         ) -> *mut C_tensor;
-        fn sprtrain_set_fp32_gemm(onednn: bool, error: *mut *mut c_char) -> bool;
+        fn sprtrain_set_fp32_gemm(
+            onednn: bool,
+            attention_brgemm: bool,
+            error: *mut *mut c_char,
+        ) -> bool;
         fn sprtrain_free_error(error: *mut c_char);
     }
 
-    /// Runs fp32 products through oneDNN (`onednn`) or libtorch's BLAS from now on, in the
-    /// whole process (src/models/gemm.h); Err with oneDNN's reason where it refuses this CPU.
-    pub fn set_fp32_gemm(onednn: bool) -> Result<(), String> {
+    /// Runs the layers' fp32 products through oneDNN's matmul (`onednn`) or libtorch's BLAS,
+    /// and attention's through oneDNN's brgemm microkernel (`attention_brgemm`) or the BLAS,
+    /// from now on, in the whole process (src/models/gemm.h); Err with oneDNN's reason where it
+    /// refuses this CPU.
+    pub fn set_fp32_gemm(onednn: bool, attention_brgemm: bool) -> Result<(), String> {
         let mut error = std::ptr::null_mut();
         // SAFETY: no tensors cross; on failure `error` is set.
-        if unsafe { sprtrain_set_fp32_gemm(onednn, &mut error) } {
+        if unsafe { sprtrain_set_fp32_gemm(onednn, attention_brgemm, &mut error) } {
             return Ok(());
         }
         Err(take_error(error))
@@ -242,11 +248,12 @@ mod kernels {
     }
 }
 
-/// Runs the models' fp32 matrix products through oneDNN (`onednn`: its matmul for the linear
-/// layers, its brgemm microkernel for the per-pair attention) or through libtorch's BLAS,
-/// process-wide; Err with the reason where oneDNN refuses this CPU (the BLAS is then in use).
-pub fn use_onednn_fp32(onednn: bool) -> Result<(), String> {
-    kernels::set_fp32_gemm(onednn)
+/// Runs the models' fp32 matrix products through oneDNN or through libtorch's BLAS,
+/// process-wide: the linear layers through oneDNN's matmul where `layers`, the per-pair
+/// attention through its brgemm microkernel where `attention`. Err with the reason where
+/// oneDNN's matmul refuses this CPU (the BLAS is then in use for both).
+pub fn use_onednn_fp32(layers: bool, attention: bool) -> Result<(), String> {
+    kernels::set_fp32_gemm(layers, attention)
 }
 
 /// Restores the previous autocast state when dropped.

@@ -200,14 +200,18 @@ bool any_requires_grad(at::TensorList ts) {
 
 extern "C" {
 
-// fp32 products through oneDNN (`onednn`) or libtorch's BLAS from now on, process-wide. Turning
-// oneDNN on first checks one product against at::mm's (its inputs made without touching
-// libtorch's random generator, which seeds the model): false with *error set where oneDNN
-// refuses this CPU or disagrees, the BLAS then in use.
-bool sprtrain_set_fp32_gemm(bool onednn, char** error) {
+// The linear layers' fp32 products through oneDNN's matmul (`onednn`) or libtorch's BLAS, and
+// the per-pair attention's through oneDNN's brgemm microkernel (`attention_brgemm`) or the BLAS,
+// from now on, process-wide. Turning the matmul on first checks one product against at::mm's
+// (its inputs made without touching libtorch's random generator, which seeds the model): false
+// with *error set where oneDNN refuses this CPU or disagrees, the BLAS then in use for both.
+// (The microkernel needs no check: ATen runs its own gemm where oneDNN's does not fit the CPU.)
+bool sprtrain_set_fp32_gemm(bool onednn, bool attention_brgemm, char** error) {
   *error = nullptr;
+  sprtrain_gemm::attention_brgemm.store(false);
   if (!onednn) {
     sprtrain_gemm::fp32_onednn.store(false);
+    sprtrain_gemm::attention_brgemm.store(attention_brgemm);
     return true;
   }
   try {
@@ -223,6 +227,7 @@ bool sprtrain_set_fp32_gemm(bool onednn, char** error) {
     return false;
   }
   sprtrain_gemm::fp32_onednn.store(true);
+  sprtrain_gemm::attention_brgemm.store(attention_brgemm);
   return true;
 }
 

@@ -549,18 +549,19 @@ float* transpose_room(int slot, int64_t elements) {
   return room.data();
 }
 
-// out = a @ b, one of a pair's products, on the thread that calls it. With fp32 products
-// through oneDNN (runtime.fp32_gemm), oneDNN's brgemm microkernel through ATen's cpublas
-// (generated once per shape and thread): at (384, 64) x (64, 384) it ran 113-117 GFLOP/s a
-// thread on a Zen 4 EPYC against MKL's 88-97, which also spends 5% of the attention zeroing
-// each output before accumulating into it. The microkernel reads row-major operands only: a
-// transposed b is copied transposed first, and for a transposed a the product is taken as
-// out^T = b^T a^T where that copies fewer elements than a itself (P^T dO: two (T, 64) copies
-// instead of a (T, T) one). Else (bf16, the BLAS chosen, other strides) at::mm_out.
+// out = a @ b, one of a pair's products, on the thread that calls it. With attention's fp32
+// products through oneDNN (runtime.fp32_gemm "onednn" or "blas+brgemm"), oneDNN's brgemm
+// microkernel through ATen's cpublas (generated once per shape and thread): at
+// (384, 64) x (64, 384) it ran 113-117 GFLOP/s a thread on a Zen 4 EPYC against MKL's 88-97,
+// which also spends 5% of the attention zeroing each output before accumulating into it. The
+// microkernel reads row-major operands only: a transposed b is copied transposed first, and for
+// a transposed a the product is taken as out^T = b^T a^T where that copies fewer elements than
+// a itself (P^T dO: two (T, 64) copies instead of a (T, T) one). Else (bf16, the BLAS chosen,
+// other strides) at::mm_out.
 void pair_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   const bool fp32 = out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                     b.scalar_type() == at::kFloat;
-  const bool onednn = fp32 && sprtrain_gemm::fp32_onednn.load(std::memory_order_relaxed);
+  const bool onednn = fp32 && sprtrain_gemm::attention_brgemm.load(std::memory_order_relaxed);
   const std::optional<Plain> pa = onednn ? plain_of(a) : std::nullopt;
   const std::optional<Plain> pb = onednn ? plain_of(b) : std::nullopt;
   const std::optional<Plain> pc = onednn ? plain_of(out) : std::nullopt;
