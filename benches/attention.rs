@@ -21,6 +21,7 @@
 
 use std::time::Instant;
 
+use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers::{key_mask, seeded_attention_with, seeded_causal_attention};
 use tch::{Device, Kind, Tensor};
 
@@ -119,6 +120,16 @@ fn main() {
         .and_then(|t| t.parse().ok())
         .unwrap_or(2);
     tch::set_num_threads(threads);
+    // SPRTRAIN_BENCH_FP32_GEMM=blas|onednn|blas+brgemm: the library of the fp32 products, as
+    // runtime.fp32_gemm (default: auto's choice for this CPU).
+    let gemm = match std::env::var("SPRTRAIN_BENCH_FP32_GEMM").as_deref() {
+        Ok("blas") => Fp32Gemm::Blas,
+        Ok("onednn") => Fp32Gemm::Onednn,
+        Ok("blas+brgemm") => Fp32Gemm::BlasBrgemm,
+        _ => Fp32Gemm::Auto,
+    };
+    let gemm = sprtrain::sysinfo::select_fp32_gemm(gemm).expect("runtime.fp32_gemm");
+    println!("fp32 products: {gemm:?}");
     // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>: only the cases and paths whose
     // name contains it (to profile one).
     let only = std::env::var("SPRTRAIN_BENCH_CASE").unwrap_or_default();
