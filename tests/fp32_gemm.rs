@@ -3,11 +3,13 @@
 //! the layers take (bias as the product's start, the input gradient, a weight gradient made
 //! new on the first backward and added in place by the product on the second); the per-pair
 //! attention's products through oneDNN's brgemm microkernel give the BLAS's, and the same bits
-//! under "blas+brgemm". One test in its own process: the choice is process-wide.
+//! under "blas+brgemm", whose attention calls no at::mm (libtorch's profiler counts them). One
+//! test in its own process: the choice is process-wide.
 
 use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers;
 use sprtrain::sysinfo::{self, CpuInfo};
+use sprtrain::train::profile::StepProfiler;
 use tch::{Device, Kind, Tensor};
 
 fn leaf(dims: &[i64]) -> Tensor {
@@ -109,6 +111,37 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
             "trivial gradients"
         );
     }
+    // Which library ran attention, as the profiler sees it (one thread, so that every pair runs
+    // on the profiled one): at least 3 sequences x 4 heads x 3 causal tiles x 6 products
+    // through at::mm on the BLAS; none under "blas+brgemm".
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let ((t, queries, causal), (fused, grad_out, _)) = (cases[2], &onednn[2]);
+    let mut calls = Vec::new();
+    for gemm in [Fp32Gemm::Blas, Fp32Gemm::BlasBrgemm] {
+        sysinfo::select_fp32_gemm(gemm).unwrap();
+        let dir = tmp.path().join(format!("{gemm:?}"));
+        calls.push(mm_calls(&dir, || {
+            let _ = attention(fused, queries, causal, grad_out);
+        }));
+    }
+    assert!(
+        calls[0] >= 216.0 && calls[1] == 0.0,
+        "at::mm calls of {t} causal positions, BLAS and blas+brgemm: {calls:?}"
+    );
+}
+
+/// at::mm's calls while `f` runs, as libtorch's profiler records them on this thread (the
+/// microkernel's products are not ATen operators, so it does not see them).
+fn mm_calls(dir: &std::path::Path, f: impl FnOnce()) -> f64 {
+    let mut profiler = StepProfiler::new(1, 1, dir).unwrap();
+    profiler.before_step(1).unwrap();
+    f();
+    let ops = std::fs::read_to_string(profiler.after_step(1, true).unwrap().unwrap()).unwrap();
+    ops.lines()
+        .find_map(|l| l.strip_prefix("| `aten::mm` | "))
+        .and_then(|rest| rest.split(" |").next())
+        .map_or(0.0, |calls| calls.parse().unwrap())
 }
 
 /// Seeded attention on its per-pair path, with dropout, of q, k, v taken as (B, H, T, D) views
