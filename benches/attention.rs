@@ -21,6 +21,8 @@
 
 use std::time::Instant;
 
+use serde::de::IntoDeserializer;
+use serde::Deserialize;
 use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers::{key_mask, seeded_attention_with, seeded_causal_attention};
 use tch::{Device, Kind, Tensor};
@@ -122,12 +124,10 @@ fn main() {
     tch::set_num_threads(threads);
     // SPRTRAIN_BENCH_FP32_GEMM=blas|onednn|blas+brgemm: the library of the fp32 products, as
     // runtime.fp32_gemm (default: auto's choice for this CPU).
-    let gemm = match std::env::var("SPRTRAIN_BENCH_FP32_GEMM").as_deref() {
-        Ok("blas") => Fp32Gemm::Blas,
-        Ok("onednn") => Fp32Gemm::Onednn,
-        Ok("blas+brgemm") => Fp32Gemm::BlasBrgemm,
-        _ => Fp32Gemm::Auto,
-    };
+    let gemm = std::env::var("SPRTRAIN_BENCH_FP32_GEMM").map_or(Fp32Gemm::Auto, |name| {
+        Fp32Gemm::deserialize(name.as_str().into_deserializer())
+            .unwrap_or_else(|e: serde::de::value::Error| panic!("SPRTRAIN_BENCH_FP32_GEMM: {e}"))
+    });
     let gemm = sprtrain::sysinfo::select_fp32_gemm(gemm).expect("runtime.fp32_gemm");
     println!("fp32 products: {gemm:?}");
     // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>: only the cases and paths whose

@@ -208,25 +208,22 @@ extern "C" {
 // (The microkernel needs no check: ATen runs its own gemm where oneDNN's does not fit the CPU.)
 bool sprtrain_set_fp32_gemm(bool onednn, bool attention_brgemm, char** error) {
   *error = nullptr;
-  sprtrain_gemm::attention_brgemm.store(false);
-  if (!onednn) {
-    sprtrain_gemm::fp32_onednn.store(false);
-    sprtrain_gemm::attention_brgemm.store(attention_brgemm);
-    return true;
+  if (onednn) {
+    try {
+      const at::Tensor a = at::arange(96 * 40, at::kFloat).remainder(17.0).sub(8.0).view({96, 40});
+      const at::Tensor b = at::arange(40 * 72, at::kFloat).remainder(13.0).sub(6.0).view({40, 72});
+      at::Tensor out = at::empty({96, 72}, a.options());
+      at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
+      // Small integers: every partial sum is exact in fp32, so the two must agree exactly.
+      TORCH_CHECK(out.equal(a.mm(b)), "oneDNN's fp32 product differs from at::mm's");
+    } catch (const std::exception& e) {
+      sprtrain_gemm::fp32_onednn.store(false);
+      sprtrain_gemm::attention_brgemm.store(false);
+      *error = sprtrain_ffi::copy_message(e.what());
+      return false;
+    }
   }
-  try {
-    const at::Tensor a = at::arange(96 * 40, at::kFloat).remainder(17.0).sub(8.0).view({96, 40});
-    const at::Tensor b = at::arange(40 * 72, at::kFloat).remainder(13.0).sub(6.0).view({40, 72});
-    at::Tensor out = at::empty({96, 72}, a.options());
-    at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
-    // Small integers: every partial sum is exact in fp32, so the two must agree exactly.
-    TORCH_CHECK(out.equal(a.mm(b)), "oneDNN's fp32 product differs from at::mm's");
-  } catch (const std::exception& e) {
-    sprtrain_gemm::fp32_onednn.store(false);
-    *error = sprtrain_ffi::copy_message(e.what());
-    return false;
-  }
-  sprtrain_gemm::fp32_onednn.store(true);
+  sprtrain_gemm::fp32_onednn.store(onednn);
   sprtrain_gemm::attention_brgemm.store(attention_brgemm);
   return true;
 }
