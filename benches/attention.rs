@@ -10,6 +10,7 @@
 //!
 //!   cargo bench --bench attention
 //!   SPRTRAIN_BENCH_CASE=Llama SPRTRAIN_BENCH_PATH=pair cargo bench --bench attention    # one case, one path
+//!   SPRTRAIN_BENCH_KIND=BFloat16 cargo bench --bench attention                           # one dtype
 //!
 //! Each pass takes q, k and v as the models do, (B, H, T, D) views of one (B, T, 3 H D)
 //! projection, and merges the heads of its output back to (B, T, H D), so the layout copies a
@@ -130,10 +131,11 @@ fn main() {
     });
     let gemm = sprtrain::sysinfo::select_fp32_gemm(gemm).expect("runtime.fp32_gemm");
     println!("fp32 products: {gemm:?}");
-    // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>: only the cases and paths whose
-    // name contains it (to profile one).
+    // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>, SPRTRAIN_BENCH_KIND=<text>: only
+    // the cases, paths and dtypes ("Float", "BFloat16") whose name contains it (to profile one).
     let only = std::env::var("SPRTRAIN_BENCH_CASE").unwrap_or_default();
     let only_path = std::env::var("SPRTRAIN_BENCH_PATH").unwrap_or_default();
+    let only_kind = std::env::var("SPRTRAIN_BENCH_KIND").unwrap_or_default();
     let case = |name, shape, reps, causal, dropout| Case {
         name,
         shape,
@@ -162,7 +164,10 @@ fn main() {
     .into_iter()
     .filter(|c| c.name.contains(&only))
     {
-        for kind in [Kind::Float, Kind::BFloat16] {
+        for kind in [Kind::Float, Kind::BFloat16]
+            .into_iter()
+            .filter(|kind| format!("{kind:?}").contains(&only_kind))
+        {
             for (path, kernel) in [
                 ("per pair", Kernel::Seeded(0)),
                 ("batched", Kernel::Seeded(i64::MAX)),

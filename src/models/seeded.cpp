@@ -372,16 +372,28 @@ void f32_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t 
 }
 
 // Rows of a (rows, stride) fp32 or bf16 block (the dtypes training runs in), worked on in fp32:
-// an fp32 block's own rows, a bf16 block's converted into a buffer and back.
+// an fp32 block's own rows, a bf16 block's converted into a buffer and back. Where a bf16
+// block's values come from a product on AMX, `unrounded` holds them as the product left them
+// in fp32 (row r at unrounded + (r - first_unrounded) * unrounded_ld), and rows are read
+// from there instead: no rounding to bf16 and back between the product and the row kernels.
 struct BlockRows {
   at::Tensor block;
   int64_t stride;
+  float* unrounded = nullptr;
+  int64_t unrounded_ld = 0, first_unrounded = 0;
 
   bool is_f32() const { return block.scalar_type() == at::kFloat; }
 
-  // Row r's first n elements as fp32: the row itself in an fp32 block, else converted into buf.
-  float* open(int64_t r, float* buf, int64_t n) const {
+  // Row r's first n elements as fp32: the row itself in an fp32 block or in `unrounded`
+  // (copied into buf where `into_buf`), else converted into buf.
+  float* open(int64_t r, float* buf, int64_t n, bool into_buf = false) const {
     if (is_f32()) return block.data_ptr<float>() + r * stride;
+    if (unrounded != nullptr) {
+      float* row = unrounded + (r - first_unrounded) * unrounded_ld;
+      if (!into_buf) return row;
+      std::memcpy(buf, row, n * sizeof(float));
+      return buf;
+    }
     bf16_to_f32(
         reinterpret_cast<const uint16_t*>(block.const_data_ptr<at::BFloat16>()) + r * stride,
         buf, n);
@@ -461,7 +473,8 @@ void softmax_dropout_rows(const BlockRows& scores, int64_t r0, int64_t r1, int64
     const int64_t g = first_row + r, n = rp.keys_seen(r);
     const auto first = static_cast<uint32_t>(g * rp.tk);
     // Backward keeps a bf16 block's dropped probabilities in fp32 for the gradient.
-    float* x = scores.open(r, backward ? s.dropped_row(r, rp.tk) : s.row.data(), n);
+    float* x = backward ? scores.open(r, s.dropped_row(r, rp.tk), n, true)
+                        : scores.open(r, s.row.data(), n);
     if (backward) {
       softmax_dropout_row_again(x, rp.bias_of(g), rp.scale, n, rp.stats[g],
                                 s.probs.data() + r * rp.tk, rp.dropout(), first);
@@ -488,15 +501,18 @@ void softmax_grad_rows(const BlockRows& grads, int64_t r0, int64_t r1, int64_t w
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-// src (rows, cols; rows ld_src apart) transposed into dst (cols, rows; rows ld_dst apart): 8 x 8
-// blocks transposed in registers by three rounds of two-vector shuffles (round s swaps bit s of
-// the row number with bit s of the column number), the edges element by element. The scalar
-// loop over 16 x 16 blocks it replaced held 12% of an attention layer's perf samples.
+// src (rows, cols; rows ld_src apart) of 32-bit elements (fp32, or pairs of bf16) transposed
+// into dst (cols, rows; rows ld_dst apart): 8 x 8 blocks transposed in registers by three
+// rounds of two-vector shuffles (round s swaps bit s of the row number with bit s of the column
+// number), the edges element by element; bits are moved, never converted. The scalar loop over
+// 16 x 16 blocks it replaced held 12% of an attention layer's perf samples.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-void transpose_f32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows,
-                   int64_t cols) {
+void transpose32(const void* src_bytes, int64_t ld_src, void* dst_bytes, int64_t ld_dst,
+                 int64_t rows, int64_t cols) {
+  const auto* src = static_cast<const uint32_t*>(src_bytes);
+  auto* dst = static_cast<uint32_t*>(dst_bytes);
   const int64_t full_rows = rows - rows % 8, full_cols = cols - cols % 8;
   for (int64_t i0 = 0; i0 < full_rows; i0 += 8) {
     for (int64_t j0 = 0; j0 < full_cols; j0 += 8) {
@@ -520,7 +536,7 @@ void transpose_f32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst,
   // The last rows % 8 rows, and the last cols % 8 columns of the others.
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = i < full_rows ? full_cols : 0; j < cols; ++j) {
-      dst[j * ld_dst + i] = src[i * ld_src + j];
+      std::memcpy(dst + j * ld_dst + i, src + i * ld_src + j, sizeof(uint32_t));
     }
   }
 }
@@ -541,12 +557,174 @@ std::optional<Plain> plain_of(const at::Tensor& x) {
   return std::nullopt;
 }
 
-// A thread's room for transposed operands and results, by slot (grown, never shrunk).
-float* transpose_room(int slot, int64_t elements) {
-  thread_local std::vector<float> rooms[3];
-  std::vector<float>& room = rooms[slot];
-  if (static_cast<int64_t>(room.size()) < elements) room.resize(elements);
-  return room.data();
+
+// Pairs of rows of a 16-bit (bf16) matrix src (rows, cols; rows ld_src apart) interleaved into
+// 32-bit elements: dst[p][c] holds src[2p][c] in its low half and src[2p + 1][c] in its high
+// half (zero past the last row), for p < (rows + 1) / 2 and c < cols (rows ld_dst apart). That
+// is the VNNI layout AMX reads a product's second operand in, and, followed by a 32-bit
+// transpose, a 16-bit transpose.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void interleave_rows16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                       uint32_t* dst, int64_t ld_dst) {
+  for (int64_t p = 0; 2 * p < rows; ++p) {
+    const uint16_t* even = src + 2 * p * ld_src;
+    uint32_t* out = dst + p * ld_dst;
+    if (2 * p + 1 < rows) {
+      const uint16_t* odd = even + ld_src;
+      for (int64_t c = 0; c < cols; ++c) out[c] = uint32_t{even[c]} | uint32_t{odd[c]} << 16;
+    } else {
+      for (int64_t c = 0; c < cols; ++c) out[c] = even[c];
+    }
+  }
+}
+
+// A thread's 64-byte-aligned room for transposed or packed operands and results, by slot
+// (grown, never shrunk): AMX's tile loads ran a third as fast from operands at 16-byte
+// alignment (a (64 x 3072) x (3072 x 64) product: 1.46 against 0.43 TFLOP/s a thread).
+void* aligned_room(int slot, int64_t bytes) {
+  struct Room {
+    void* data = nullptr;
+    int64_t bytes = 0;
+    ~Room() { std::free(data); }
+  };
+  thread_local Room rooms[5];
+  Room& room = rooms[slot];
+  if (room.bytes < bytes) {
+    std::free(room.data);
+    room.bytes = (bytes + 63) / 64 * 64;
+    room.data = std::aligned_alloc(64, room.bytes);
+    TORCH_CHECK(room.data != nullptr, "seeded attention: out of memory for ", bytes, " bytes");
+  }
+  return room.data;
+}
+
+// Whether this CPU runs oneDNN's bf16 brgemm microkernel on AMX (ATen packs bf16 operands for
+// it only there).
+bool amx_bf16() {
+  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  return available;
+}
+
+// A 2-D bf16 operand: `data` holds a row-major matrix with rows `ld` apart, which is the operand
+// itself, or its transpose when `transposed`.
+struct Plain16 {
+  const uint16_t* data;
+  int64_t ld;
+  bool transposed;
+};
+
+std::optional<Plain16> plain16_of(const at::Tensor& x) {
+  const auto* data = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (x.stride(1) == 1 && x.stride(0) >= cols) return Plain16{data, x.stride(0), false};
+  if (x.stride(0) == 1 && x.stride(1) >= rows) return Plain16{data, x.stride(1), true};
+  return std::nullopt;
+}
+
+// The columns of the second operand that one microkernel call takes (AMX's tiles are 16 fp32
+// wide; oneDNN's packed layouts take 16 to 64).
+constexpr int64_t kAmxBlock = 64;
+
+// An (m, n) fp32 result in rows `ld` apart.
+struct F32Rows {
+  float* data;
+  int64_t ld;
+};
+
+// a @ b for bf16 a (m, k) and b (k, n) on AMX, on the calling thread, in fp32 in the thread's
+// scratch (valid until its next call): oneDNN's brgemm microkernel accumulates in fp32, as
+// at::mm's oneDNN product does (rounded once, the two differ in summation order only). At
+// (384, 64) x (64, 384) a call took 16 us against at::mm's 38 (which sets up a oneDNN
+// primitive each call), at (64, 64) x (64, 64) 0.4 against 20. The microkernel reads its first
+// operand row-major and its second in VNNI blocks of 64 columns, (k / 2, 64) pairs of rows
+// interleaved: a row-major b is interleaved, a transposed one (b = y^T) is y's pairs of columns
+// transposed as 32-bit elements, and a transposed a is transposed in two such passes. An odd
+// k's last term is added in fp32. None where an operand is neither row-major nor transposed,
+// or a transposed b's rows are an odd number of elements apart.
+// The (cols, rows) transpose of the row-major bf16 (rows, cols) matrix x (rows ld apart, rows
+// even) into the thread's room `slot`: interleaved pairs of x's rows, transposed as 32-bit
+// elements.
+const uint16_t* transposed16(int slot, const uint16_t* x, int64_t ld, int64_t rows,
+                             int64_t cols) {
+  auto* pairs = static_cast<uint32_t*>(aligned_room(0, rows / 2 * cols * 4));
+  interleave_rows16(x, ld, rows, cols, pairs, cols);
+  auto* out = static_cast<uint16_t*>(aligned_room(slot, cols * rows * 2));
+  transpose32(pairs, cols, out, rows / 2, rows / 2, cols);
+  return out;
+}
+
+// The microkernel's part of amx_product: rows (m, k) row-major (ld_a apart, k even) times b
+// (k, n) packed into VNNI blocks, into the thread's room `slot` (rows ld_c apart).
+F32Rows amx_blocks(const uint16_t* rows, int64_t ld_a, int64_t m, int64_t k, const Plain16& b,
+                   int64_t n, int slot) {
+  const int64_t blocks = (n + kAmxBlock - 1) / kAmxBlock, ld_c = blocks * kAmxBlock;
+  auto* packed = static_cast<uint32_t*>(aligned_room(2, blocks * k / 2 * kAmxBlock * 4));
+  auto* c = static_cast<float*>(aligned_room(slot, m * ld_c * 4));
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t c0 = j * kAmxBlock, width = std::min(kAmxBlock, n - c0);
+    uint32_t* block = packed + j * (k / 2) * kAmxBlock;  // (k / 2, 64)
+    if (b.transposed) {
+      // b = y^T for row-major y (n, k): rows c0 .. c0 + width of y as 32-bit pairs, transposed.
+      transpose32(b.data + c0 * b.ld, b.ld / 2, block, kAmxBlock, width, k / 2);
+    } else {
+      interleave_rows16(b.data + c0, b.ld, k, width, block, kAmxBlock);
+    }
+    if (width < kAmxBlock) {
+      for (int64_t p = 0; p < k / 2; ++p) {
+        std::fill(block + p * kAmxBlock + width, block + (p + 1) * kAmxBlock, uint32_t{0});
+      }
+    }
+    at::native::cpublas::brgemm(m, kAmxBlock, k, ld_a, kAmxBlock, ld_c, false,
+                                reinterpret_cast<const at::BFloat16*>(rows),
+                                reinterpret_cast<const at::BFloat16*>(block), c + c0, true);
+  }
+  return F32Rows{c, ld_c};
+}
+
+std::optional<F32Rows> amx_product(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t m = a.size(0), n = b.size(1), k = a.size(1) / 2 * 2;  // k even
+  const std::optional<Plain16> pa = plain16_of(a), pb = plain16_of(b);
+  if (!pa || !pb || (pb->transposed && pb->ld % 2 != 0)) return std::nullopt;
+  if (m == 0 || n == 0 || k == 0) return std::nullopt;  // at::mm's own edge cases
+  F32Rows c{nullptr, 0};
+  if (pa->transposed && n * (k + m) < m * k) {
+    // a = x^T for row-major x (k, m), and b narrow (P^T dO, dS^T Q: b is (T, 64)): out^T
+    // (n, m) = b^T x, transposed back, moves (k + m) n elements where transposing a moves m k.
+    const uint16_t* bt = pb->transposed ? pb->data : transposed16(1, pb->data, pb->ld, k, n);
+    const F32Rows ct = amx_blocks(bt, pb->transposed ? pb->ld : k, n, k,
+                                  Plain16{pa->data, pa->ld, false}, m, 3);
+    c = F32Rows{static_cast<float*>(aligned_room(4, m * n * 4)), n};
+    transpose32(ct.data, ct.ld, c.data, c.ld, n, m);
+  } else {
+    // a itself, or a = x^T transposed into rows.
+    const uint16_t* rows = pa->transposed ? transposed16(1, pa->data, pa->ld, k, m) : pa->data;
+    c = amx_blocks(rows, pa->transposed ? k : pa->ld, m, k, *pb, n, 3);
+  }
+  if (k < a.size(1)) {
+    // The last of an odd number of terms: c += a[:, k] b[k, :].
+    const auto element = [](const Plain16& x, int64_t i, int64_t j) {
+      return bf16_bits_to_f32(x.transposed ? x.data[j * x.ld + i] : x.data[i * x.ld + j]);
+    };
+    for (int64_t i = 0; i < m; ++i) {
+      const float a_ik = element(*pa, i, k);
+      for (int64_t j = 0; j < n; ++j) c.data[i * c.ld + j] += a_ik * element(*pb, k, j);
+    }
+  }
+  return c;
+}
+
+// out = a @ b through amx_product, rounded once into row-major out; false as amx_product.
+bool pair_product_amx(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  const std::optional<Plain16> pc = plain16_of(out);
+  if (!pc || pc->transposed) return false;
+  const std::optional<F32Rows> c = amx_product(a, b);
+  if (!c) return false;
+  auto* dst = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  const int64_t n = out.size(1);
+  for (int64_t i = 0; i < out.size(0); ++i) f32_to_bf16(c->data + i * c->ld, dst + i * pc->ld, n);
+  return true;
 }
 
 // out = a @ b, one of a pair's products, on the thread that calls it. With attention's fp32
@@ -556,11 +734,14 @@ float* transpose_room(int slot, int64_t elements) {
 // which also spends 5% of the attention zeroing each output before accumulating into it. The
 // microkernel reads row-major operands only: a transposed b is copied transposed first, and for
 // a transposed a the product is taken as out^T = b^T a^T where that copies fewer elements than
-// a itself (P^T dO: two (T, 64) copies instead of a (T, T) one). Else (bf16, the BLAS chosen,
-// other strides) at::mm_out.
+// a itself (P^T dO: two (T, 64) copies instead of a (T, T) one). bf16 products on AMX go
+// through pair_product_amx; else (bf16 elsewhere, the BLAS chosen, other strides) at::mm_out.
 void pair_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   const bool fp32 = out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                     b.scalar_type() == at::kFloat;
+  const bool bf16 = out.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
+                    b.scalar_type() == at::kBFloat16;
+  if (bf16 && amx_bf16() && pair_product_amx(out, a, b)) return;
   const bool onednn = fp32 && sprtrain_gemm::attention_brgemm.load(std::memory_order_relaxed);
   const std::optional<Plain> pa = onednn ? plain_of(a) : std::nullopt;
   const std::optional<Plain> pb = onednn ? plain_of(b) : std::nullopt;
@@ -572,8 +753,8 @@ void pair_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   // The transpose of the (rows, cols) matrix src holds, as a (cols, rows) row-major matrix.
   const auto transposed_copy = [](int slot, const Plain& src, int64_t rows, int64_t cols) {
-    float* dst = transpose_room(slot, rows * cols);
-    transpose_f32(src.data, src.ld, dst, rows, rows, cols);
+    auto* dst = static_cast<float*>(aligned_room(slot, rows * cols * sizeof(float)));
+    transpose32(src.data, src.ld, dst, rows, rows, cols);
     return dst;
   };
   using at::native::cpublas::brgemm;
@@ -581,9 +762,9 @@ void pair_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   if (pa->transposed && b_copy + m * n < m * k) {
     // out^T (n, m) = b^T (n, k) a^T (k, m), a^T being the row-major matrix a is a view of.
     const float* bt = pb->transposed ? pb->data : transposed_copy(0, *pb, k, n);
-    float* ct = transpose_room(1, n * m);
+    auto* ct = static_cast<float*>(aligned_room(1, n * m * sizeof(float)));
     brgemm(n, m, k, pb->transposed ? pb->ld : k, pa->ld, m, false, bt, pa->data, ct);
-    transpose_f32(ct, m, pc->data, pc->ld, n, m);
+    transpose32(ct, m, pc->data, pc->ld, n, m);
     return;
   }
   const float* a_rows = pa->transposed ? transposed_copy(2, *pa, k, m) : pa->data;
@@ -608,6 +789,8 @@ void for_each_pair(int64_t pairs, MakeScratch make_scratch, Body body) {
     for (int64_t pair = next.fetch_add(1); pair < pairs; pair = next.fetch_add(1)) {
       body(pair, scratch);
     }
+    // Hands back the AMX tile state pair_product_amx's microkernel configured, if it did.
+    if (amx_bf16()) at::native::cpublas::brgemm_release(true);
   });
 }
 
@@ -639,14 +822,28 @@ at::Tensor tile_of(const at::Tensor& block, const Tile& t) {
   return block.narrow(0, t.r0, t.r1 - t.r0).narrow(1, 0, t.keys);
 }
 
+// The product a @ b over tile t of `block` (a (Tq, Tk) scratch) for the row kernels: a bf16
+// product on AMX left in fp32 where the microkernel put it (BlockRows' `unrounded`), else
+// written into the tile by pair_product.
+BlockRows product_rows(const at::Tensor& block, const Tile& t, const at::Tensor& a,
+                       const at::Tensor& b) {
+  const int64_t stride = block.size(1);
+  if (block.scalar_type() == at::kBFloat16 && amx_bf16()) {
+    if (const std::optional<F32Rows> c = amx_product(a, b)) {
+      return BlockRows{block, stride, c->data, c->ld, t.r0};
+    }
+  }
+  pair_product(tile_of(block, t), a, b);
+  return BlockRows{block, stride};
+}
+
 // Tile t of pair bh: the dropped probabilities into its part of s.scores and, in backward, the
 // fp32 probabilities into s.probs. q (Tq, D), k (Tk, D).
 void attention_tile(const at::Tensor& q, const at::Tensor& k, int64_t bh, const Tile& t,
                     const RowParams& rp, bool backward, PairScratch& s) {
-  at::Tensor scores = tile_of(s.scores, t);
-  pair_product(scores, q.narrow(0, t.r0, t.r1 - t.r0), k.narrow(0, 0, t.keys).t());
-  softmax_dropout_rows(BlockRows{s.scores, rp.tk}, t.r0, t.r1, t.keys, bh * rp.tq, rp, backward,
-                       s);
+  const BlockRows scores =
+      product_rows(s.scores, t, q.narrow(0, t.r0, t.r1 - t.r0), k.narrow(0, 0, t.keys).t());
+  softmax_dropout_rows(scores, t.r0, t.r1, t.keys, bh * rp.tq, rp, backward, s);
 }
 
 // Forward of pair bh into out (Tq, D).
@@ -669,12 +866,12 @@ void pair_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const std::vector<Tile> tiles = pair_tiles(rp);
   for (const Tile& t : tiles) {
     attention_tile(q, k, bh, t, rp, true, s);
-    at::Tensor grad_scores = tile_of(s.grad_scores, t);
     const int64_t rows = t.r1 - t.r0;
-    pair_product(grad_scores, g.narrow(0, t.r0, rows), v.narrow(0, 0, t.keys).t());
-    softmax_grad_rows(BlockRows{s.grad_scores, rp.tk}, t.r0, t.r1, t.keys, rp, s);
+    const BlockRows grads =
+        product_rows(s.grad_scores, t, g.narrow(0, t.r0, rows), v.narrow(0, 0, t.keys).t());
+    softmax_grad_rows(grads, t.r0, t.r1, t.keys, rp, s);
     at::Tensor gq_rows = gq.narrow(0, t.r0, rows);
-    pair_product(gq_rows, grad_scores, k.narrow(0, 0, t.keys));
+    pair_product(gq_rows, tile_of(s.grad_scores, t), k.narrow(0, 0, t.keys));
   }
   for (const Tile& t : tiles) {
     // Keys [k0, k0 + keys), seen by queries k0 .. Tq: under the causal mask the keys of tile t,
