@@ -6,10 +6,12 @@
 //! under "blas+brgemm", whose attention calls no at::mm (libtorch's profiler counts them). One
 //! test in its own process: the choice is process-wide.
 
+mod common;
+
+use common::{mm_calls, per_pair_attention};
 use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers;
 use sprtrain::sysinfo::{self, CpuInfo};
-use sprtrain::train::profile::StepProfiler;
 use tch::{Device, Kind, Tensor};
 
 fn leaf(dims: &[i64]) -> Tensor {
@@ -77,14 +79,14 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
         onednn.push((
             fused.shallow_clone(),
             grad_out.shallow_clone(),
-            attention(&fused, queries, causal, &grad_out),
+            per_pair_attention(&fused, Kind::Float, queries, causal, &grad_out),
         ));
     }
     // "blas+brgemm" (the BLAS for the layers): attention through the same microkernel, so the
     // same bits.
     sysinfo::select_fp32_gemm(Fp32Gemm::BlasBrgemm).unwrap();
     for (&(t, queries, causal), (fused, grad_out, (out, grad))) in cases.iter().zip(&onednn) {
-        let (again, again_grad) = attention(fused, queries, causal, grad_out);
+        let (again, again_grad) = per_pair_attention(fused, Kind::Float, queries, causal, grad_out);
         assert!(
             again.equal(out) && again_grad.equal(grad),
             "{queries} queries of {t} keys, causal {causal}: blas+brgemm's attention is not onednn's"
@@ -98,7 +100,7 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
         "without a bias: oneDNN and the BLAS differ by {d:e}"
     );
     for (&(t, queries, causal), (fused, grad_out, (out, grad))) in cases.iter().zip(&onednn) {
-        let (want, want_grad) = attention(fused, queries, causal, grad_out);
+        let (want, want_grad) = per_pair_attention(fused, Kind::Float, queries, causal, grad_out);
         // Outputs near 1, gradients near 10: sums of at most 300 fp32 products in another
         // order differ by ~1e-6.
         let what = format!("{queries} queries of {t} keys, causal {causal}");
@@ -122,50 +124,11 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
         sysinfo::select_fp32_gemm(gemm).unwrap();
         let dir = tmp.path().join(format!("{gemm:?}"));
         calls.push(mm_calls(&dir, || {
-            let _ = attention(fused, queries, causal, grad_out);
+            let _ = per_pair_attention(fused, Kind::Float, queries, causal, grad_out);
         }));
     }
     assert!(
         calls[0] >= 216.0 && calls[1] == 0.0,
         "at::mm calls of {t} causal positions, BLAS and blas+brgemm: {calls:?}"
     );
-}
-
-/// at::mm's calls while `f` runs, as libtorch's profiler records them on this thread (the
-/// microkernel's products are not ATen operators, so it does not see them).
-fn mm_calls(dir: &std::path::Path, f: impl FnOnce()) -> f64 {
-    let mut profiler = StepProfiler::new(1, 1, dir).unwrap();
-    profiler.before_step(1).unwrap();
-    f();
-    let ops = std::fs::read_to_string(profiler.after_step(1, true).unwrap().unwrap()).unwrap();
-    ops.lines()
-        .find_map(|l| l.strip_prefix("| `aten::mm` | "))
-        .and_then(|rest| rest.split(" |").next())
-        .map_or(0.0, |calls| calls.parse().unwrap())
-}
-
-/// Seeded attention on its per-pair path, with dropout, of q, k, v taken as (B, H, T, D) views
-/// of one (B, T, 3 H D) projection (as the models pass them), the first `queries` positions
-/// asking: the output and the projection's gradient for `grad_out`.
-fn attention(fused: &Tensor, queries: i64, causal: bool, grad_out: &Tensor) -> (Tensor, Tensor) {
-    let fused = copy(fused);
-    let (b, t, width) = fused.size3().unwrap();
-    let (heads, d) = (4, width / 12);
-    let part = |i: i64| {
-        fused
-            .narrow(2, i * heads * d, heads * d)
-            .view([b, t, heads, d])
-            .transpose(1, 2)
-    };
-    let lengths = Tensor::from_slice(&[t, 20, 5]).view([b, 1]);
-    let positions = Tensor::arange(t, (Kind::Int64, Device::Cpu)).view([1, t]);
-    let keys = layers::key_mask(&positions.lt_tensor(&lengths));
-    let q = part(0).narrow(2, 0, queries);
-    let out = if causal {
-        layers::seeded_causal_attention(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
-    } else {
-        layers::seeded_attention_with(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
-    };
-    (&out * grad_out).sum(Kind::Float).backward();
-    (out.detach(), fused.grad())
 }

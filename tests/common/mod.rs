@@ -483,3 +483,55 @@ pub fn bf16_wire_rank_check() {
         assert!(theirs == &all[0], "rank {r} holds other sums than rank 0");
     }
 }
+
+/// Seeded attention on its per-pair path, dropout 0.2, of q, k, v taken as (B, H, T, D) views
+/// of one (B, T, 3 H D) projection (as the models pass them) made from `fused` in `kind`
+/// (3 sequences padded to lengths T, 20 and 5; 4 heads), the first `queries` positions asking:
+/// the output and the projection's gradient for `grad_out`, both in fp32.
+pub fn per_pair_attention(
+    fused: &Tensor,
+    kind: Kind,
+    queries: i64,
+    causal: bool,
+    grad_out: &Tensor,
+) -> (Tensor, Tensor) {
+    use sprtrain::models::layers;
+    let fused = fused.detach().to_kind(kind).copy().set_requires_grad(true);
+    let (b, t, width) = fused.size3().unwrap();
+    let (heads, d) = (4, width / 12);
+    let part = |i: i64| {
+        fused
+            .narrow(2, i * heads * d, heads * d)
+            .view([b, t, heads, d])
+            .transpose(1, 2)
+    };
+    let lengths = Tensor::from_slice(&[t, 20, 5]).view([b, 1]);
+    let positions = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).view([1, t]);
+    let keys = layers::key_mask(&positions.lt_tensor(&lengths));
+    let q = part(0).narrow(2, 0, queries);
+    let out = if causal {
+        layers::seeded_causal_attention(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
+    } else {
+        layers::seeded_attention_with(&q, &part(1), &part(2), &keys, 0.2, 11, 0)
+    };
+    (out.to_kind(Kind::Float) * grad_out)
+        .sum(Kind::Float)
+        .backward();
+    (
+        out.detach().to_kind(Kind::Float),
+        fused.grad().to_kind(Kind::Float),
+    )
+}
+
+/// at::mm's calls while `f` runs, as libtorch's profiler records them on this thread (oneDNN's
+/// microkernel's products are not ATen operators, so it does not see them).
+pub fn mm_calls(dir: &Path, f: impl FnOnce()) -> f64 {
+    let mut profiler = sprtrain::train::profile::StepProfiler::new(1, 1, dir).unwrap();
+    profiler.before_step(1).unwrap();
+    f();
+    let ops = std::fs::read_to_string(profiler.after_step(1, true).unwrap().unwrap()).unwrap();
+    ops.lines()
+        .find_map(|l| l.strip_prefix("| `aten::mm` | "))
+        .and_then(|rest| rest.split(" |").next())
+        .map_or(0.0, |calls| calls.parse().unwrap())
+}
