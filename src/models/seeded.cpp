@@ -541,22 +541,28 @@ void transpose32(const void* src_bytes, int64_t ld_src, void* dst_bytes, int64_t
   }
 }
 
-// A 2-D fp32 operand as the brgemm microkernel reads it: `data` holds a row-major matrix with
-// rows `ld` apart, which is the operand itself, or its transpose when `transposed`.
+// A 2-D operand as the brgemm microkernel reads it, of elements T (float, or a bf16's raw
+// bits): `data` holds a row-major matrix with rows `ld` apart, which is the operand itself, or
+// its transpose when `transposed`.
+template <typename T>
 struct Plain {
-  float* data;
+  T* data;
   int64_t ld;
   bool transposed;
 };
+using PlainF32 = Plain<float>;
+using PlainBf16 = Plain<const uint16_t>;
 
-// x's layout, or none where x is neither row-major nor the transpose of a row-major matrix.
-std::optional<Plain> plain_of(const at::Tensor& x) {
+// x's layout (x of T's dtype, which the callers check), or none where x is neither row-major
+// nor the transpose of a row-major matrix.
+template <typename T>
+std::optional<Plain<T>> plain_of(const at::Tensor& x) {
+  T* data = static_cast<T*>(x.data_ptr());
   const int64_t rows = x.size(0), cols = x.size(1);
-  if (x.stride(1) == 1 && x.stride(0) >= cols) return Plain{x.data_ptr<float>(), x.stride(0), false};
-  if (x.stride(0) == 1 && x.stride(1) >= rows) return Plain{x.data_ptr<float>(), x.stride(1), true};
+  if (x.stride(1) == 1 && x.stride(0) >= cols) return Plain<T>{data, x.stride(0), false};
+  if (x.stride(0) == 1 && x.stride(1) >= rows) return Plain<T>{data, x.stride(1), true};
   return std::nullopt;
 }
-
 
 // Pairs of rows of a 16-bit (bf16) matrix src (rows, cols; rows ld_src apart) interleaved into
 // 32-bit elements: dst[p][c] holds src[2p][c] in its low half and src[2p + 1][c] in its high
@@ -607,22 +613,6 @@ bool amx_bf16() {
   return available;
 }
 
-// A 2-D bf16 operand: `data` holds a row-major matrix with rows `ld` apart, which is the operand
-// itself, or its transpose when `transposed`.
-struct Plain16 {
-  const uint16_t* data;
-  int64_t ld;
-  bool transposed;
-};
-
-std::optional<Plain16> plain16_of(const at::Tensor& x) {
-  const auto* data = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
-  const int64_t rows = x.size(0), cols = x.size(1);
-  if (x.stride(1) == 1 && x.stride(0) >= cols) return Plain16{data, x.stride(0), false};
-  if (x.stride(0) == 1 && x.stride(1) >= rows) return Plain16{data, x.stride(1), true};
-  return std::nullopt;
-}
-
 // The columns of the second operand that one microkernel call takes (AMX's tiles are 16 fp32
 // wide; oneDNN's packed layouts take 16 to 64).
 constexpr int64_t kAmxBlock = 64;
@@ -633,35 +623,24 @@ struct F32Rows {
   int64_t ld;
 };
 
-// a @ b for bf16 a (m, k) and b (k, n) on AMX, on the calling thread, in fp32 in the thread's
-// scratch (valid until its next call): oneDNN's brgemm microkernel accumulates in fp32, as
-// at::mm's oneDNN product does (rounded once, the two differ in summation order only). At
-// (384, 64) x (64, 384) a call took 16 us against at::mm's 38 (which sets up a oneDNN
-// primitive each call), at (64, 64) x (64, 64) 0.4 against 20. The microkernel reads its first
-// operand row-major and its second in VNNI blocks of 64 columns, (k / 2, 64) pairs of rows
-// interleaved: a row-major b is interleaved, a transposed one (b = y^T) is y's pairs of columns
-// transposed as 32-bit elements, and a transposed a is transposed in two such passes. An odd
-// k's last term is added in fp32. None where an operand is neither row-major nor transposed,
-// or a transposed b's rows are an odd number of elements apart.
 // The (cols, rows) transpose of the row-major bf16 (rows, cols) matrix x (rows ld apart, rows
-// even) into the thread's room `slot`: interleaved pairs of x's rows, transposed as 32-bit
-// elements.
-const uint16_t* transposed16(int slot, const uint16_t* x, int64_t ld, int64_t rows,
-                             int64_t cols) {
+// even) into the thread's room 1: interleaved pairs of x's rows, transposed as 32-bit elements.
+const uint16_t* transposed16(const uint16_t* x, int64_t ld, int64_t rows, int64_t cols) {
   auto* pairs = static_cast<uint32_t*>(aligned_room(0, rows / 2 * cols * 4));
   interleave_rows16(x, ld, rows, cols, pairs, cols);
-  auto* out = static_cast<uint16_t*>(aligned_room(slot, cols * rows * 2));
+  auto* out = static_cast<uint16_t*>(aligned_room(1, cols * rows * 2));
   transpose32(pairs, cols, out, rows / 2, rows / 2, cols);
   return out;
 }
 
 // The microkernel's part of amx_product: rows (m, k) row-major (ld_a apart, k even) times b
-// (k, n) packed into VNNI blocks, into the thread's room `slot` (rows ld_c apart).
-F32Rows amx_blocks(const uint16_t* rows, int64_t ld_a, int64_t m, int64_t k, const Plain16& b,
-                   int64_t n, int slot) {
+// (k, n) packed into VNNI blocks (the thread's room 2), into the thread's room 3 (rows ld_c
+// apart).
+F32Rows amx_blocks(const uint16_t* rows, int64_t ld_a, int64_t m, int64_t k, const PlainBf16& b,
+                   int64_t n) {
   const int64_t blocks = (n + kAmxBlock - 1) / kAmxBlock, ld_c = blocks * kAmxBlock;
   auto* packed = static_cast<uint32_t*>(aligned_room(2, blocks * k / 2 * kAmxBlock * 4));
-  auto* c = static_cast<float*>(aligned_room(slot, m * ld_c * 4));
+  auto* c = static_cast<float*>(aligned_room(3, m * ld_c * 4));
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t c0 = j * kAmxBlock, width = std::min(kAmxBlock, n - c0);
     uint32_t* block = packed + j * (k / 2) * kAmxBlock;  // (k / 2, 64)
@@ -683,28 +662,39 @@ F32Rows amx_blocks(const uint16_t* rows, int64_t ld_a, int64_t m, int64_t k, con
   return F32Rows{c, ld_c};
 }
 
+// a @ b for bf16 a (m, k) and b (k, n) on AMX, on the calling thread, in fp32 in the thread's
+// scratch (valid until its next call): oneDNN's brgemm microkernel accumulates in fp32, as
+// at::mm's oneDNN product does (rounded once, the two differ in summation order only). At
+// (384, 64) x (64, 384) a call took 16 us against at::mm's 38 (which sets up a oneDNN
+// primitive each call), at (64, 64) x (64, 64) 0.4 against 20. The microkernel reads its first
+// operand row-major and its second in VNNI blocks of 64 columns, (k / 2, 64) pairs of rows
+// interleaved: a row-major b is interleaved, a transposed one (b = y^T) is y's pairs of columns
+// transposed as 32-bit elements, and a transposed a is transposed in two such passes. An odd
+// k's last term is added in fp32. None where an operand is not bf16 or neither row-major nor
+// transposed, or a transposed b's rows are an odd number of elements apart.
 std::optional<F32Rows> amx_product(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return std::nullopt;
   const int64_t m = a.size(0), n = b.size(1), k = a.size(1) / 2 * 2;  // k even
-  const std::optional<Plain16> pa = plain16_of(a), pb = plain16_of(b);
+  const std::optional<PlainBf16> pa = plain_of<const uint16_t>(a), pb = plain_of<const uint16_t>(b);
   if (!pa || !pb || (pb->transposed && pb->ld % 2 != 0)) return std::nullopt;
   if (m == 0 || n == 0 || k == 0) return std::nullopt;  // at::mm's own edge cases
   F32Rows c{nullptr, 0};
   if (pa->transposed && n * (k + m) < m * k) {
     // a = x^T for row-major x (k, m), and b narrow (P^T dO, dS^T Q: b is (T, 64)): out^T
     // (n, m) = b^T x, transposed back, moves (k + m) n elements where transposing a moves m k.
-    const uint16_t* bt = pb->transposed ? pb->data : transposed16(1, pb->data, pb->ld, k, n);
-    const F32Rows ct = amx_blocks(bt, pb->transposed ? pb->ld : k, n, k,
-                                  Plain16{pa->data, pa->ld, false}, m, 3);
+    const uint16_t* bt = pb->transposed ? pb->data : transposed16(pb->data, pb->ld, k, n);
+    const F32Rows ct =
+        amx_blocks(bt, pb->transposed ? pb->ld : k, n, k, PlainBf16{pa->data, pa->ld, false}, m);
     c = F32Rows{static_cast<float*>(aligned_room(4, m * n * 4)), n};
     transpose32(ct.data, ct.ld, c.data, c.ld, n, m);
   } else {
     // a itself, or a = x^T transposed into rows.
-    const uint16_t* rows = pa->transposed ? transposed16(1, pa->data, pa->ld, k, m) : pa->data;
-    c = amx_blocks(rows, pa->transposed ? k : pa->ld, m, k, *pb, n, 3);
+    const uint16_t* rows = pa->transposed ? transposed16(pa->data, pa->ld, k, m) : pa->data;
+    c = amx_blocks(rows, pa->transposed ? k : pa->ld, m, k, *pb, n);
   }
   if (k < a.size(1)) {
     // The last of an odd number of terms: c += a[:, k] b[k, :].
-    const auto element = [](const Plain16& x, int64_t i, int64_t j) {
+    const auto element = [](const PlainBf16& x, int64_t i, int64_t j) {
       return bf16_bits_to_f32(x.transposed ? x.data[j * x.ld + i] : x.data[i * x.ld + j]);
     };
     for (int64_t i = 0; i < m; ++i) {
@@ -715,9 +705,11 @@ std::optional<F32Rows> amx_product(const at::Tensor& a, const at::Tensor& b) {
   return c;
 }
 
-// out = a @ b through amx_product, rounded once into row-major out; false as amx_product.
+// out = a @ b through amx_product, rounded once into row-major bf16 out; false (nothing
+// written) where out is not that or amx_product has none.
 bool pair_product_amx(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
-  const std::optional<Plain16> pc = plain16_of(out);
+  if (out.scalar_type() != at::kBFloat16) return false;
+  const std::optional<PlainBf16> pc = plain_of<const uint16_t>(out);
   if (!pc || pc->transposed) return false;
   const std::optional<F32Rows> c = amx_product(a, b);
   if (!c) return false;
@@ -739,20 +731,18 @@ bool pair_product_amx(at::Tensor out, const at::Tensor& a, const at::Tensor& b) 
 void pair_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   const bool fp32 = out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                     b.scalar_type() == at::kFloat;
-  const bool bf16 = out.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
-                    b.scalar_type() == at::kBFloat16;
-  if (bf16 && amx_bf16() && pair_product_amx(out, a, b)) return;
+  if (amx_bf16() && pair_product_amx(out, a, b)) return;
   const bool onednn = fp32 && sprtrain_gemm::attention_brgemm.load(std::memory_order_relaxed);
-  const std::optional<Plain> pa = onednn ? plain_of(a) : std::nullopt;
-  const std::optional<Plain> pb = onednn ? plain_of(b) : std::nullopt;
-  const std::optional<Plain> pc = onednn ? plain_of(out) : std::nullopt;
+  const std::optional<PlainF32> pa = onednn ? plain_of<float>(a) : std::nullopt;
+  const std::optional<PlainF32> pb = onednn ? plain_of<float>(b) : std::nullopt;
+  const std::optional<PlainF32> pc = onednn ? plain_of<float>(out) : std::nullopt;
   if (!pa || !pb || !pc || pc->transposed) {
     at::mm_out(out, a, b);
     return;
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   // The transpose of the (rows, cols) matrix src holds, as a (cols, rows) row-major matrix.
-  const auto transposed_copy = [](int slot, const Plain& src, int64_t rows, int64_t cols) {
+  const auto transposed_copy = [](int slot, const PlainF32& src, int64_t rows, int64_t cols) {
     auto* dst = static_cast<float*>(aligned_room(slot, rows * cols * sizeof(float)));
     transpose32(src.data, src.ld, dst, rows, rows, cols);
     return dst;
