@@ -153,8 +153,8 @@ fn continue_data_position(state: &mut TrainerState, plan: &BatchPlan, allow: boo
 pub const STEP_TOTALS: usize = 4;
 
 /// The dropout stream's seed for one micro-batch: the same on every rank for the same
-/// micro-batch of the global batch.
-fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
+/// micro-batch of the global batch. Part of the training order that tests/golden.rs pins.
+pub fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
     seed.wrapping_mul(1_000_003)
         .wrapping_add(step as u64 * 4096 + micro as u64)
 }
