@@ -36,6 +36,14 @@ impl MetricsLog {
         writeln!(self.file, "{record}")
             .with_context(|| format!("cannot write {}", self.path.display()))
     }
+
+    /// Flushes the records so far to the disk (at each checkpoint and at the end of the run,
+    /// so a power cut keeps the history the checkpoint continues from).
+    pub fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .with_context(|| format!("cannot sync {} to disk", self.path.display()))
+    }
 }
 
 /// A progress bar on a terminal; plain log lines otherwise.
@@ -117,6 +125,9 @@ fn summarize(record: &Value) -> String {
         .join("  ")
 }
 
+/// The plot's size in pixels: two 500 x 420 panels side by side.
+const PLOT_SIZE: (u32, u32) = (1000, 420);
+
 /// Two panels over steps: training loss, and every `eval_*` metric.
 pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
     let series = |key: &str| -> Vec<(f64, f64)> {
@@ -125,16 +136,10 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
             .filter_map(|r| Some((r.get("step")?.as_f64()?, r.get(key)?.as_f64()?)))
             .collect()
     };
-    let loss = series("loss");
     let mut eval_keys: Vec<String> = history
         .iter()
         .filter_map(|r| r.as_object())
-        .flat_map(|o| {
-            o.keys()
-                .filter(|k| k.starts_with("eval_"))
-                .cloned()
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|o| o.keys().filter(|k| k.starts_with("eval_")).cloned())
         .collect();
     eval_keys.sort();
     eval_keys.dedup();
@@ -142,61 +147,73 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
         .iter()
         .filter_map(|r| r.get("step")?.as_f64())
         .fold(1.0, f64::max);
+    let loss = vec![("loss".to_string(), series("loss"))];
+    let evals = eval_keys.iter().map(|k| (k.clone(), series(k))).collect();
 
-    let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (left, right) = root.split_horizontally(500);
-    let draw = |area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
-                title: &str,
-                lines: Vec<(String, Vec<(f64, f64)>)>|
-     -> Result<()> {
-        let ys: Vec<f64> = lines
-            .iter()
-            .flat_map(|(_, s)| s.iter().map(|p| p.1))
-            .collect();
-        let (lo, hi) = ys
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), &y| (a.min(y), b.max(y)));
-        let (lo, hi) = if ys.is_empty() {
-            (0.0, 1.0)
-        } else if hi > lo {
-            (lo, hi)
-        } else {
-            (lo - 0.5, hi + 0.5)
-        };
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 20))
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(55)
-            .build_cartesian_2d(0.0..max_step, lo..hi)?;
-        chart.configure_mesh().x_desc("step").draw()?;
-        for (i, (name, points)) in lines.into_iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            // Markers too: evaluations are often too few for a line to show.
-            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))?
-                .label(name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
-        Ok(())
+    // Drawn in memory, then written as a PNG atomically and durably like every kept file.
+    let (width, height) = PLOT_SIZE;
+    let mut pixels = vec![0u8; width as usize * height as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, PLOT_SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (left, right) = root.split_horizontally(width / 2);
+        draw_panel(&left, "training loss", loss, max_step)?;
+        draw_panel(&right, "evaluation", evals, max_step)?;
+        root.present()
+            .with_context(|| format!("cannot draw {}", path.display()))?;
+    }
+    crate::atomic_file::write_atomic_with(path, |tmp| {
+        image::save_buffer_with_format(
+            tmp,
+            &pixels,
+            width,
+            height,
+            image::ColorType::Rgb8,
+            image::ImageFormat::Png,
+        )
+        .with_context(|| format!("cannot write {}", tmp.display()))
+    })
+}
+
+/// One panel: each named series as markers joined by a line, over steps 0..`max_step`.
+fn draw_panel(
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    title: &str,
+    lines: Vec<(String, Vec<(f64, f64)>)>,
+    max_step: f64,
+) -> Result<()> {
+    let (lo, hi) = lines
+        .iter()
+        .flat_map(|(_, s)| s.iter().map(|p| p.1))
+        .fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
+    let (lo, hi) = match (lo, hi) {
+        (lo, hi) if lo > hi => (0.0, 1.0), // no points
+        (lo, hi) if hi > lo => (lo, hi),
+        (lo, hi) => (lo - 0.5, hi + 0.5),
     };
-    draw(&left, "training loss", vec![("loss".to_string(), loss)])?;
-    draw(
-        &right,
-        "evaluation",
-        eval_keys.iter().map(|k| (k.clone(), series(k))).collect(),
-    )?;
-    root.present()
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..max_step, lo..hi)?;
+    chart.configure_mesh().x_desc("step").draw()?;
+    for (i, (name, points)) in lines.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        // Markers too: evaluations are often too few for a line to show.
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }
 

@@ -91,6 +91,13 @@ impl EventWriter {
 
     /// Writes the numeric values of a metrics record (its `step` the event's step) as
     /// scalars.
+    /// Flushes the events so far to the disk.
+    pub fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .with_context(|| format!("cannot sync {} to disk", self.path.display()))
+    }
+
     pub fn write_record(&mut self, record: &serde_json::Value) -> Result<()> {
         let Some(fields) = record.as_object() else {
             return Ok(());

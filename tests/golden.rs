@@ -18,7 +18,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixtures, ok, sprtrain, train_losses, write_sentences, RunConfig};
+use common::{fixtures, ok, sprtrain, train_losses};
 use serde_json::{json, Value};
 use sprtrain::data::batching::{holdout_split, BatchPlan, Feature, Target};
 use sprtrain::data::masking::{Masking, EVAL_KEY};
@@ -232,30 +232,17 @@ fn committed_checkpoints() -> PathBuf {
     golden().join("checkpoints")
 }
 
-/// The format the checkpoints of this build are written in.
-const FORMAT: &str = "format-1";
+/// Where the checkpoint of the format this build writes is committed.
+fn current_format() -> String {
+    format!("format-{}", sprtrain::checkpoint::manifest::FORMAT)
+}
 
-/// The tiny 3-label BERT classifier with dropout 0.1, 8 steps of 4 x 2 examples on 40
-/// sentences with a held-out fifth, evaluation and a checkpoint every 4 steps: the resumed
-/// half replays the seeded order, the dropout masks and AdamW's state.
+/// The run of `common::tiny_classifier_run`: the resumed half replays the seeded order, the
+/// dropout masks and AdamW's state.
 fn golden_run(dir: &Path, out: &Path) -> PathBuf {
-    let data = dir.join("train.tsv");
-    write_sentences(&data, 40, 9, |_, n| n % 3);
-    let model = fixtures().join("parity").join("bert-seq-cls-single");
     let name = out.file_name().unwrap().to_string_lossy().to_string();
-    RunConfig::new(&model, &data, out)
-        .set("data.eval_split", 0.2)
-        .set("train.max_steps", 8)
-        .set("train.batch_size", 4)
-        .set("train.gradient_accumulation_steps", 2)
-        .set("train.learning_rate", 1e-3)
-        .set("train.weight_decay", 0.01)
-        .set("train.warmup_steps", 2)
-        .set("train.save_steps", 4)
-        .set("eval.strategy", "steps")
-        .set("eval.steps", 4)
-        .set("runtime.seed", 11)
-        .write(&dir.join(format!("{name}.toml")))
+    let data = common::tiny_classifier_data(dir);
+    common::tiny_classifier_run(&data, out).write(&dir.join(format!("{name}.toml")))
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -316,7 +303,7 @@ fn resume_committed(dir: &Path, fixture: &Path) -> PathBuf {
 #[test]
 fn committed_checkpoints_resume_to_the_committed_weights() {
     let tmp = tempfile::tempdir().unwrap();
-    let current = committed_checkpoints().join(FORMAT);
+    let current = committed_checkpoints().join(current_format());
     if blessing() && !current.join("checkpoint-4").is_dir() {
         let scratch = tmp.path().join("bless");
         std::fs::create_dir(&scratch).unwrap();
@@ -330,7 +317,8 @@ fn committed_checkpoints_resume_to_the_committed_weights() {
     fixtures.sort();
     assert!(
         fixtures.contains(&current),
-        "no committed checkpoint of {FORMAT} ({BLESS}=1 writes it)"
+        "no committed checkpoint of {} ({BLESS}=1 writes it)",
+        current_format()
     );
     for fixture in &fixtures {
         let out = resume_committed(tmp.path(), fixture);

@@ -6,39 +6,15 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    encode_batch, fixtures, ok, require_reference_python, sprtrain, train_losses, weight_values,
-    write_sentences, RunConfig,
+    encode_batch, ok, require_reference_python, sprtrain, train_losses, weight_values, RunConfig,
 };
 use serde_json::Value;
 use sprtrain::models::weights::read_safetensors;
 
-/// The tiny 3-label BERT classifier with dropout 0.1 (so resume must replay dropout masks).
-fn tiny_model() -> PathBuf {
-    fixtures().join("parity").join("bert-seq-cls-single")
-}
-
-/// 40 labelled sentences from the tiny tokenizer's vocabulary: label = length class.
-fn write_data(dir: &Path) -> PathBuf {
-    let path = dir.join("train.tsv");
-    write_sentences(&path, 40, 9, |_, n| n % 3);
-    path
-}
-
-/// 8 steps of 4 x 2 examples with checkpoints and evaluation every 4, dropout seeded.
-fn run_config(data: &Path, out: &Path) -> RunConfig {
-    RunConfig::new(&tiny_model(), data, out)
-        .set("data.eval_split", 0.2)
-        .set("train.max_steps", 8)
-        .set("train.batch_size", 4)
-        .set("train.gradient_accumulation_steps", 2)
-        .set("train.learning_rate", 1e-3)
-        .set("train.weight_decay", 0.01)
-        .set("train.warmup_steps", 2)
-        .set("train.save_steps", 4)
-        .set("eval.strategy", "steps")
-        .set("eval.steps", 4)
-        .set("runtime.seed", 11)
-}
+use common::{
+    tiny_classifier as tiny_model, tiny_classifier_data as write_data,
+    tiny_classifier_run as run_config,
+};
 
 /// Writes `config` beside the output directory it names.
 fn write(dir: &Path, out: &Path, config: RunConfig) -> PathBuf {

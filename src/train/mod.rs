@@ -220,9 +220,16 @@ impl<'a> Trainer<'a> {
             prepare_output_dir(&out, resume.is_some(), config.train.overwrite_output_dir)?;
             checkpoint::recover(&out)?;
         }
-        let resume_dir = resume
-            .map(|spec| checkpoint::resume_dir(&out, spec))
-            .transpose()?;
+        let resume_dir = match resume {
+            Some(spec) => {
+                let (dir, passed_over) = checkpoint::resume_dir(&out, spec)?;
+                for line in passed_over.iter().filter(|_| root) {
+                    tracing::warn!("{line}");
+                }
+                Some(dir)
+            }
+            None => None,
+        };
         let autocast = set_up_numerics(config, dist)?;
         startup::mark("threads");
         // The data (its labels can size the head), and the pretrained model with a head for
@@ -497,6 +504,7 @@ impl<'a> Trainer<'a> {
     fn save_checkpoint(&mut self) -> Result<()> {
         let (tc, step) = (&self.config.train, self.state.global_step);
         self.opt.settle(); // lazily updated rows, up to this step
+        let started = Instant::now();
         let saved = checkpoint::save_checkpoint(
             &self.out,
             &self.files(),
@@ -506,7 +514,10 @@ impl<'a> Trainer<'a> {
         );
         match saved {
             Ok(dir) => {
-                self.progress.note(&format!("saved {}", dir.display()));
+                self.sync_logs()?;
+                let seconds = started.elapsed().as_secs_f64();
+                self.progress
+                    .note(&format!("saved {} in {seconds:.2} s", dir.display()));
                 self.last_checkpoint = Some(dir);
             }
             Err(e) if tc.on_save_error == OnSaveError::Continue => {
@@ -669,6 +680,14 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// Flushes rank 0's metrics log and TensorBoard events to the disk.
+    fn sync_logs(&self) -> Result<()> {
+        if let Some(log) = &self.log {
+            log.sync()?;
+        }
+        self.tensorboard.as_ref().map_or(Ok(()), EventWriter::sync)
+    }
+
     /// Rank 0 saves the final model at the root of the output directory with the results and
     /// the plot; every rank reports.
     fn finish(mut self) -> Result<Summary> {
@@ -708,6 +727,7 @@ impl<'a> Trainer<'a> {
             if !self.final_eval.is_empty() {
                 write_eval_results(&self.out, &self.final_eval)?;
             }
+            self.sync_logs()?;
             if let Err(e) =
                 crate::report::plot(&self.out.join("training.png"), &self.state.log_history)
             {

@@ -89,6 +89,9 @@ impl StepProfiler {
                 take_string(error)
             );
         }
+        // libtorch wrote the trace in place; it is a diagnostic, kept once it is on disk.
+        crate::atomic_file::sync_file(&trace)?;
+        crate::atomic_file::sync_dir(&self.dir)?;
         let events = parse_events(&take_string(events))?;
         let table = ops_table(&events, steps, wall_ns);
         let path = self.dir.join("ops.md");

@@ -319,6 +319,36 @@ impl RunConfig {
     }
 }
 
+/// The tiny 3-label BERT classifier with dropout 0.1 (so a resume must replay dropout masks).
+pub fn tiny_classifier() -> PathBuf {
+    fixtures().join("parity").join("bert-seq-cls-single")
+}
+
+/// 40 labelled sentences from the tiny tokenizer's vocabulary (label = length class) in
+/// `dir`/train.tsv.
+pub fn tiny_classifier_data(dir: &Path) -> PathBuf {
+    let path = dir.join("train.tsv");
+    write_sentences(&path, 40, 9, |_, n| n % 3);
+    path
+}
+
+/// [`tiny_classifier`] on `data` with a held-out fifth: 8 steps of 4 x 2 examples, evaluation
+/// and a checkpoint every 4 steps, dropout seeded, output in `out`.
+pub fn tiny_classifier_run(data: &Path, out: &Path) -> RunConfig {
+    RunConfig::new(&tiny_classifier(), data, out)
+        .set("data.eval_split", 0.2)
+        .set("train.max_steps", 8)
+        .set("train.batch_size", 4)
+        .set("train.gradient_accumulation_steps", 2)
+        .set("train.learning_rate", 1e-3)
+        .set("train.weight_decay", 0.01)
+        .set("train.warmup_steps", 2)
+        .set("train.save_steps", 4)
+        .set("eval.strategy", "steps")
+        .set("eval.steps", 4)
+        .set("runtime.seed", 11)
+}
+
 /// The data of the multi-process tests (tests/mpi.rs, tests/cluster.rs): 236 labelled
 /// sentences (at 2 ranks of batch 4, 29 steps of 8 examples, then a short step of 4 that only
 /// rank 0 has a micro-batch for: rank 1 takes part with zeros), and 41 for evaluation.

@@ -3,8 +3,13 @@
 //! `checkpoint-STEP/` holds config.json + model.safetensors + tokenizer.json (loadable by
 //! transformers' `from_pretrained` as is), the optimizer moments (optimizer.safetensors), the
 //! trainer state (trainer_state.json: step, epoch, data position) and the resolved config
-//! (sprtrain.toml). A checkpoint is written under a temporary name and renamed into place, so
-//! a kill during a save never leaves one that looks complete, nor touches the previous one.
+//! (sprtrain.toml), and last a manifest of every file's size and checksum (manifest.json). A
+//! checkpoint is written under a temporary name, synced, and renamed into place, so a kill
+//! during a save never leaves one that looks complete, nor touches the previous one, and a
+//! power cut after it never leaves a damaged one under its name. A resume verifies the
+//! checkpoint against its manifest first.
+
+pub mod manifest;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,10 +18,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::atomic_file::{write_atomic, write_atomic_with};
+use crate::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with};
 use crate::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
 use crate::models::{lora, HfConfig, TaskModel};
 use crate::optim::AdamW;
+use manifest::Verdict;
 
 pub const TRAINER_STATE: &str = "trainer_state.json";
 pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
@@ -26,6 +32,9 @@ const PREFIX: &str = "checkpoint-";
 /// Where training stands; enough, with the optimizer moments, to continue exactly.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainerState {
+    /// The checkpoint format ([`manifest::FORMAT`]); 1 in checkpoints from before it was kept.
+    #[serde(default = "first_format")]
+    pub format: u32,
     /// Optimizer steps completed.
     pub global_step: usize,
     /// Epoch of the next step and the index of the next global batch within it.
@@ -57,10 +66,15 @@ pub struct TrainerState {
     pub world_size: usize,
 }
 
+fn first_format() -> u32 {
+    1
+}
+
 impl TrainerState {
     /// The state before the first step of a run of `total_steps` over parameters `layout`.
     pub fn start(layout: Vec<(String, i64)>, total_steps: usize) -> Self {
         TrainerState {
+            format: manifest::FORMAT,
             global_step: 0,
             epoch: 0,
             batch_in_epoch: 0,
@@ -251,6 +265,10 @@ pub fn save_checkpoint(
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
     }
+    let state = TrainerState {
+        format: manifest::FORMAT,
+        ..state.clone()
+    };
     let written = std::fs::create_dir_all(&tmp)
         .with_context(|| format!("cannot create {}", tmp.display()))
         .and_then(|()| {
@@ -258,54 +276,70 @@ pub fn save_checkpoint(
             write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?;
             write_atomic(
                 &tmp.join(TRAINER_STATE),
-                serde_json::to_string_pretty(state)?.as_bytes(),
-            )
+                serde_json::to_string_pretty(&state)?.as_bytes(),
+            )?;
+            // Last: a checkpoint with a manifest has every file it lists.
+            manifest::write(&tmp)
         });
     if let Err(e) = written {
         // Give the space back (a full disk stays usable for the files that follow).
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    publish_checkpoint(output_dir, &tmp, &final_dir, state.global_step)?;
+    // Older checkpoints go only once this one is known to be on disk whole.
+    match manifest::verify(&final_dir, manifest::FORMAT)? {
+        Verdict::Intact => {}
+        Verdict::Damaged(why) => bail!("the checkpoint just written does not verify: {why}"),
+        Verdict::Unverified => bail!("{} was written without a manifest", final_dir.display()),
+    }
+    if keep > 0 {
+        rotate(output_dir, keep, state.best_global_step)?;
+    }
+    Ok(final_dir)
+}
+
+/// Renames the synced checkpoint `tmp` to `final_dir` and syncs the output directory. A
+/// re-save of a step swaps the new directory in, then drops the old one (`recover` puts the
+/// old one back should the process end between the renames).
+fn publish_checkpoint(output_dir: &Path, tmp: &Path, final_dir: &Path, step: usize) -> Result<()> {
     if final_dir.exists() {
-        // Re-saving a step: swap the new directory in, then drop the old one (`recover`
-        // puts the old one back should the process end between the renames).
-        let old = old_dir(output_dir, state.global_step);
-        std::fs::rename(&final_dir, &old)
-            .with_context(|| format!("cannot move {}", final_dir.display()))?;
+        let old = old_dir(output_dir, step);
+        publish(final_dir, &old)?;
         crate::fault::point("old checkpoint moved aside");
-        std::fs::rename(&tmp, &final_dir)
-            .with_context(|| format!("cannot move {}", tmp.display()))?;
+        publish(tmp, final_dir)?;
         crate::fault::point("checkpoint in place");
         std::fs::remove_dir_all(&old)
             .with_context(|| format!("cannot remove {}", old.display()))?;
+        sync_dir(output_dir)
     } else {
-        std::fs::rename(&tmp, &final_dir)
-            .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+        publish(tmp, final_dir)?;
         crate::fault::point("checkpoint in place");
+        Ok(())
     }
-    if keep > 0 {
-        let all = list_checkpoints(output_dir)?;
-        let best = state.best_global_step;
-        let mut excess = all.len().saturating_sub(keep);
-        for (step, old) in &all[..all.len() - 1] {
-            if excess == 0 {
-                break;
-            }
-            if Some(*step) == best {
-                continue;
-            }
-            // Renamed away first, so no half-removed directory keeps a checkpoint's name.
-            let doomed = old_dir(output_dir, *step);
-            std::fs::rename(old, &doomed)
-                .with_context(|| format!("cannot remove {}", old.display()))?;
-            crate::fault::point("rotated checkpoint moved aside");
-            std::fs::remove_dir_all(&doomed)
-                .with_context(|| format!("cannot remove {}", doomed.display()))?;
-            crate::fault::point("rotated checkpoint removed");
-            excess -= 1;
+}
+
+/// Removes the oldest checkpoints beyond `keep`, never the best one nor the newest.
+fn rotate(output_dir: &Path, keep: usize, best: Option<usize>) -> Result<()> {
+    let all = list_checkpoints(output_dir)?;
+    let mut excess = all.len().saturating_sub(keep);
+    for (step, old) in &all[..all.len().saturating_sub(1)] {
+        if excess == 0 {
+            break;
         }
+        if Some(*step) == best {
+            continue;
+        }
+        // Renamed away first, so no half-removed directory keeps a checkpoint's name.
+        let doomed = old_dir(output_dir, *step);
+        publish(old, &doomed).with_context(|| format!("cannot remove {}", old.display()))?;
+        crate::fault::point("rotated checkpoint moved aside");
+        std::fs::remove_dir_all(&doomed)
+            .with_context(|| format!("cannot remove {}", doomed.display()))?;
+        crate::fault::point("rotated checkpoint removed");
+        excess -= 1;
     }
-    Ok(final_dir)
+    sync_dir(output_dir)
 }
 
 /// Where the checkpoint of `step` is written before it is renamed into place.
@@ -444,19 +478,56 @@ pub fn load_weights(dir: &Path, vs: &tch::nn::VarStore, model: &TaskModel) -> Re
     .with_context(|| format!("cannot load the best model from {}", dir.display()))
 }
 
-/// Resolves `--resume latest|PATH` against the output directory.
-pub fn resume_dir(output_dir: &Path, spec: &str) -> Result<PathBuf> {
+/// Checks checkpoint `dir` against its manifest ([`manifest::verify`]), for the format its
+/// trainer state declares.
+pub fn verify(dir: &Path) -> Result<Verdict> {
+    let state = dir.join(TRAINER_STATE);
+    let declared = std::fs::read_to_string(&state)
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .map(|v| v.get("format").and_then(|f| f.as_u64()).unwrap_or(1));
+    match declared {
+        Some(format) => manifest::verify(dir, u32::try_from(format).unwrap_or(u32::MAX)),
+        // An unreadable state: only a manifest can still say what the checkpoint held.
+        None if dir.join(manifest::MANIFEST).is_file() => manifest::verify(dir, manifest::FORMAT),
+        None => Ok(Verdict::Damaged(format!(
+            "{} is unreadable or malformed",
+            state.display()
+        ))),
+    }
+}
+
+/// Resolves `--resume latest|PATH` against the output directory, verifying the checkpoint.
+/// `latest` passes over damaged checkpoints, newest first, to the newest intact one, and
+/// returns a line for each one passed over; a damaged `PATH` is refused.
+pub fn resume_dir(output_dir: &Path, spec: &str) -> Result<(PathBuf, Vec<String>)> {
     if spec == "latest" {
-        return match list_checkpoints(output_dir)?.pop() {
-            Some((_, dir)) => Ok(dir),
-            None => bail!("--resume latest: no checkpoint in {}", output_dir.display()),
-        };
+        let mut passed_over = Vec::new();
+        for (_, dir) in list_checkpoints(output_dir)?.into_iter().rev() {
+            match verify(&dir)? {
+                Verdict::Intact | Verdict::Unverified => return Ok((dir, passed_over)),
+                Verdict::Damaged(why) => {
+                    passed_over.push(format!("passing over {}: {why}", dir.display()))
+                }
+            }
+        }
+        if passed_over.is_empty() {
+            bail!("--resume latest: no checkpoint in {}", output_dir.display());
+        }
+        bail!(
+            "--resume latest: no intact checkpoint in {} ({})",
+            output_dir.display(),
+            passed_over.join("; ")
+        );
     }
     let dir = PathBuf::from(spec);
     if !dir.join(TRAINER_STATE).is_file() {
         bail!("--resume {spec}: not a checkpoint directory (no {TRAINER_STATE})");
     }
-    Ok(dir)
+    if let Verdict::Damaged(why) = verify(&dir)? {
+        bail!("--resume {spec}: the checkpoint is damaged: {why}");
+    }
+    Ok((dir, Vec::new()))
 }
 
 #[cfg(test)]
