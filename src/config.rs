@@ -125,7 +125,8 @@ pub struct DistConfig {
     pub reduce_dtype: ReduceDtype,
     /// A collective that takes longer than this many seconds stops the whole job with an error.
     pub collective_timeout_s: f64,
-    /// Pin each process's compute threads to its own physical cores.
+    /// Pin each process's compute threads to its share of the node's physical cores, where
+    /// sprtrain splits the node (ranks the launcher started bound keep its binding).
     pub pin_threads: bool,
     /// How fp32 gradient sums travel: "mpi" (the MPI library's allreduce), or "tcp" (a ring of
     /// TCP connections of sprtrain's own with blocking sockets, as Gloo: it waits without
@@ -541,8 +542,10 @@ pub struct RuntimeConfig {
     /// "fp32", "bf16" (bf16 compute, fp32 master weights) or "auto" (bf16 only where the CPU
     /// has AMX-BF16 or AVX512-BF16).
     pub precision: Precision,
-    /// libtorch intra-op threads per process; 0 = this node's physical cores divided among its
-    /// processes (OMP_NUM_THREADS, when set, also decides).
+    /// libtorch intra-op threads per process; 0 = the physical cores of the rank's domain (the
+    /// launcher's binding, else its share of the node), less one for the communication thread
+    /// with several processes, capped by a cgroup CPU quota (OMP_NUM_THREADS, when set, also
+    /// decides).
     pub threads: usize,
     /// Seed for head initialisation, dropout and data order.
     pub seed: u64,

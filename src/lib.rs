@@ -9,9 +9,9 @@
 //! - Beside them: `metrics` (accuracy, F1, correlations, SQuAD EM/F1), `qa` (answers from
 //!   start/end logits), `report` (metrics log, progress bar, plot), `hub` (local paths or the
 //!   Hugging Face Hub), `hf_files` (HF file names and the shard index), `atomic_file` (files
-//!   written whole or not at all), `predict`, `generate` and `sysinfo` (the `predict`, `generate` and `env`
-//!   commands),
-//!   `allocator` (picks the C allocator before any of it runs).
+//!   written whole or not at all, and synced), `predict`, `generate` and `sysinfo` (the
+//!   `predict`, `generate` and `env` commands), `placement` (which cores a rank's threads run
+//!   on), `allocator` (picks the C allocator before any of it runs).
 
 pub mod allocator;
 pub mod atomic_file;
@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod models;
 pub mod optim;
 pub mod panic_guard;
+pub mod placement;
 pub mod predict;
 pub mod qa;
 pub mod report;

@@ -170,7 +170,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Env => {
             // Under mpirun every rank reports where its threads go; rank 0 the machine too.
             let dist = sprtrain::dist::Dist::init(60.0, sprtrain::dist::Transport::Mpi)?;
-            let placement = sysinfo::place_threads(&dist.topo, 0, true)?;
+            let placement = sprtrain::placement::place_threads(&dist, 0, true)?;
             tch::set_num_threads(placement.count as i32);
             if dist.is_root() {
                 print!("{}", sysinfo::report());

@@ -186,7 +186,8 @@ fn start(tag: &str) -> Option<(MutexGuard<'static, ()>, String, Cluster)> {
     Some((one, mpirun, cluster))
 }
 
-/// The cores each rank's pin-map line names: `rank R/N on HOST (local L/S): cores [a, b]`.
+/// The cores each rank's pin-map line names:
+/// `rank R/N on HOST (local L/S): cores 0-1,4, split by sprtrain, ...`.
 fn pin_map(stderr: &str) -> Vec<(usize, String, Vec<usize>)> {
     let mut out = Vec::new();
     for line in stderr.lines() {
@@ -203,14 +204,14 @@ fn pin_map(stderr: &str) -> Vec<(usize, String, Vec<usize>)> {
         let Some((host, rest)) = rest.split_once(' ') else {
             continue;
         };
-        let Some(cores) = rest.split_once("cores [").map(|(_, c)| c) else {
+        let Some(cores) = rest.split_once("): cores ").map(|(_, c)| c) else {
             continue;
         };
-        let cores = cores.split(']').next().unwrap_or("");
+        let cores = cores.split(", ").next().unwrap_or("");
         out.push((
             rank.parse().unwrap(),
             host.to_string(),
-            cores.split(", ").map(|c| c.parse().unwrap()).collect(),
+            sprtrain::placement::parse_cpu_ranges(cores).unwrap(),
         ));
     }
     out
@@ -228,7 +229,7 @@ fn own_cores_give_each_node_its_own_cpus() {
         return;
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cores = sprtrain::sysinfo::physical_cores().len();
+    let cores = sprtrain::placement::physical_cores().len();
     if cores >= 2 {
         let Some(cluster) = Cluster::up_with("oc", 2, &["--own-cores"]) else {
             return;

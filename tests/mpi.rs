@@ -446,3 +446,88 @@ fn in_place_broadcast_and_ring_sums_are_exact() {
         common::IN_PLACE_RANK_CHECK,
     );
 }
+
+/// The `placement` line `sprtrain env` prints for each rank, by rank.
+fn placements(stdout: &str) -> Vec<String> {
+    let mut lines: Vec<(usize, String)> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("placement"))
+        .map(|l| l.trim().to_string())
+        .filter_map(|l| Some((l.strip_prefix("rank ")?.split('/').next()?.parse().ok()?, l)))
+        .collect();
+    lines.sort();
+    lines.into_iter().map(|(_, l)| l).collect()
+}
+
+/// The launcher owns the binding: two ranks that start bound to one CPU each (by taskset, and
+/// under Intel MPI by its default pinning, as `srun --cpu-bind=cores` or `mpirun -bind-to
+/// core` start them) keep that CPU, with one thread each and no pinning of sprtrain's own;
+/// started unbound, the same two ranks split the node's physical cores between them and pin
+/// to their share.
+#[test]
+fn ranks_keep_the_launchers_binding_and_split_an_unbound_node() {
+    let Some(mpirun) = require_mpirun() else {
+        return;
+    };
+    let cpus = sprtrain::placement::allowed_cpus();
+    if common::require((cpus.len() >= 2).then_some(()), "fewer than 2 CPUs").is_none() {
+        return;
+    }
+    let (a, b) = (cpus[0], cpus[1]);
+    let script = format!(
+        "if [ \"$PMI_RANK\" = 0 ]; then c={a}; else c={b}; fi; exec taskset -c $c {BIN} env"
+    );
+    let env = |args: &[&str], intel_pin: Option<&str>| {
+        let mut cmd = Command::new(&mpirun);
+        cmd.args(["-n", "2"]).args(args);
+        match intel_pin {
+            Some(v) => cmd.env("I_MPI_PIN", v),
+            None => cmd.env_remove("I_MPI_PIN"),
+        };
+        common::ok(cmd.output().unwrap())
+    };
+    check_bound(&env(&["sh", "-c", &script], Some("0")), a, b);
+    let version = Command::new(&mpirun).arg("--version").output().unwrap();
+    if String::from_utf8_lossy(&version.stdout).contains("Intel") {
+        // Intel MPI pins each rank to its own domain by default: one CPU each here.
+        check_bound(&env(&[BIN, "env"], None), a, b);
+    }
+
+    // Unbound: I_MPI_PIN=0 turns Intel MPI's default pinning off (MPICH pins nothing).
+    let text = env(&[BIN, "env"], Some("0"));
+    let split = placements(&text);
+    assert_eq!(split.len(), 2, "{text}");
+    let cores = sprtrain::placement::physical_cores();
+    let share = |rank: usize| -> Vec<usize> {
+        if cores.len() < 2 {
+            vec![cores[0]]
+        } else {
+            let per = cores.len() / 2;
+            cores[rank * per..(rank + 1) * per].to_vec()
+        }
+    };
+    for (rank, line) in split.iter().enumerate() {
+        let n = share(rank).len();
+        let want = format!(
+            "cores {}, split by sprtrain, pinned, {} threads",
+            sprtrain::placement::cpu_ranges(&share(rank)),
+            if n > 2 { n - 1 } else { n }
+        );
+        assert!(line.ends_with(&want), "{line} (want {want})");
+    }
+}
+
+/// Each rank's placement line names its own CPU (`a` for rank 0, `b` for rank 1), bound by
+/// the launcher, with one thread.
+fn check_bound(text: &str, a: usize, b: usize) {
+    let bound = placements(text);
+    assert_eq!(bound.len(), 2, "{text}");
+    for (rank, (line, cpu)) in bound.iter().zip([a, b]).enumerate() {
+        assert!(
+            line.ends_with(&format!(
+                "(local {rank}/2): cores {cpu}, bound by the launcher, 1 threads"
+            )),
+            "{line}"
+        );
+    }
+}

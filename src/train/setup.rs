@@ -223,7 +223,7 @@ pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
     let autocast =
         models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
     let threads =
-        sysinfo::place_threads(&dist.topo, config.runtime.threads, config.dist.pin_threads)?;
+        crate::placement::place_threads(dist, config.runtime.threads, config.dist.pin_threads)?;
     tch::set_num_threads(threads.count as i32);
     let gemm = sysinfo::select_fp32_gemm(config.runtime.fp32_gemm)?;
     if dist.is_root() {
