@@ -20,13 +20,13 @@ for arg in "$@"; do
 done
 say() { printf '==> %s\n' "$*"; }
 
-# 1. System packages: MPICH (rsmpi builds against it), libclang (bindgen), fontconfig and a font
-#    (the training plot's text), tcmalloc (runtime.allocator = "auto" preloads it: faster steps,
-#    less memory than glibc's malloc), a venv-capable Python; for the simulated cluster
+# 1. System packages: MPICH (rsmpi builds against it), libclang (bindgen), tcmalloc
+#    (runtime.allocator = "auto" preloads it: faster steps, less memory than glibc's malloc),
+#    a venv-capable Python; for the simulated cluster
 #    (scripts/sim_cluster.sh) iproute2 (ip, tc) and util-linux (unshare, nsenter), and
 #    libfabric (Intel MPI's network layer between nodes; the PyPI runtime does not ship it);
 #    strace, with which a test checks that saves sync each file before its rename.
-packages=(mpich libmpich-dev libclang-dev pkg-config libfontconfig1-dev fonts-dejavu-core libtcmalloc-minimal4 python3-venv build-essential iproute2 util-linux libfabric1 strace)
+packages=(mpich libmpich-dev libclang-dev pkg-config libtcmalloc-minimal4 python3-venv build-essential iproute2 util-linux libfabric1 strace)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -12,7 +12,9 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use std::collections::BTreeSet;
 
-use crate::hf_files::{read_index, CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE};
+use crate::hf_files::{
+    read_index, CONFIG_FILE, INDEX_FILE, PICKLE_FILE, SINGLE_FILE, TOKENIZER_FILE,
+};
 
 /// Whether the user asked for no network access.
 pub fn hub_offline() -> bool {
@@ -103,6 +105,10 @@ fn from_cache(spec: &str, revision: &str, repo: &Repo, cache: &Cache) -> Result<
     let config = get(CONFIG_FILE).ok_or_else(|| missing(CONFIG_FILE))?;
     get(TOKENIZER_FILE).ok_or_else(|| missing(TOKENIZER_FILE))?;
     if get(SINGLE_FILE).is_none() {
+        if get(INDEX_FILE).is_none() && get(PICKLE_FILE).is_some() {
+            let files = BTreeSet::from([PICKLE_FILE.to_string()]);
+            weight_files(spec, &files)?;
+        }
         let index = get(INDEX_FILE).ok_or_else(|| missing(SINGLE_FILE))?;
         for shard in weight_files_from_index(&index)? {
             get(&shard).ok_or_else(|| missing(&shard))?;
@@ -127,23 +133,106 @@ fn hub_client() -> Result<hf_hub::api::sync::Api> {
         .context("cannot set up the Hugging Face Hub client")
 }
 
+/// The weights a model repository holds, as its file listing shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WeightFiles {
+    /// model.safetensors.
+    Single,
+    /// model.safetensors.index.json and the shards it names.
+    Sharded,
+}
+
+/// Which weights to fetch, decided from the repository's file listing: model.safetensors, else
+/// the sharded index; a repository with only PyTorch pickles (or none) is refused with what to
+/// do.
+pub fn weight_files(spec: &str, files: &BTreeSet<String>) -> Result<WeightFiles> {
+    if files.contains(SINGLE_FILE) {
+        return Ok(WeightFiles::Single);
+    }
+    if files.contains(INDEX_FILE) {
+        return Ok(WeightFiles::Sharded);
+    }
+    let pickles: Vec<&str> = files
+        .iter()
+        .map(String::as_str)
+        .filter(|f| *f == PICKLE_FILE || (f.starts_with("pytorch_model-") && f.ends_with(".bin")))
+        .collect();
+    if pickles.is_empty() {
+        bail!("{spec} has no model weights ({SINGLE_FILE} or {INDEX_FILE})");
+    }
+    bail!(
+        "{spec} has no safetensors weights, only {}: sprtrain reads safetensors; convert them with \
+         transformers (`AutoModel.from_pretrained(...).save_pretrained(dir)` writes safetensors) \
+         and pass that directory",
+        pickles.join(", ")
+    )
+}
+
+/// A failed Hub request said as what it is: the network, the token, or a missing repository,
+/// revision or file.
+fn hub_error(
+    e: hf_hub::api::sync::ApiError,
+    spec: &str,
+    revision: &str,
+    what: &str,
+) -> anyhow::Error {
+    use hf_hub::api::sync::ApiError;
+    let ApiError::RequestError(request) = e else {
+        return anyhow::anyhow!("cannot download {what} of {spec} (revision {revision}): {e}");
+    };
+    match *request {
+        ureq::Error::Status(401 | 403, _) => anyhow::anyhow!(
+            "the Hugging Face Hub refused {what} of {spec}: the repository is private or gated, \
+             or HF_TOKEN is missing or has no access to it (set HF_TOKEN to a token that does)"
+        ),
+        ureq::Error::Status(404, _) if what == LISTING => anyhow::anyhow!(
+            "{spec} (revision {revision}) is not on the Hugging Face Hub: no such repository, \
+             or no such branch, tag or commit"
+        ),
+        ureq::Error::Status(404, _) => {
+            anyhow::anyhow!(
+                "{spec} (revision {revision}) has no file {what} on the Hugging Face Hub"
+            )
+        }
+        ureq::Error::Status(code, _) => anyhow::anyhow!(
+            "the Hugging Face Hub answered HTTP {code} for {what} of {spec} (revision {revision})"
+        ),
+        ureq::Error::Transport(t) => anyhow::anyhow!(
+            "cannot reach the Hugging Face Hub for {spec} ({t}); offline, set HF_HUB_OFFLINE=1 to \
+             use the cache, or pass a local model directory"
+        ),
+    }
+}
+
+/// What [`hub_error`] calls the repository's file listing.
+const LISTING: &str = "the file listing";
+
 fn download(spec: &str, revision: &str, repo: Repo) -> Result<PathBuf> {
     let api = hub_client()?.repo(repo);
+    let listing = api
+        .info()
+        .map_err(|e| hub_error(e, spec, revision, LISTING))?;
+    let files: BTreeSet<String> = listing.siblings.into_iter().map(|s| s.rfilename).collect();
+    for required in [CONFIG_FILE, TOKENIZER_FILE] {
+        if !files.contains(required) {
+            bail!("{spec} (revision {revision}) has no {required} on the Hugging Face Hub");
+        }
+    }
+    let weights = weight_files(spec, &files)?;
     let fetch = |file: &str| {
-        api.get(file).with_context(|| {
-            format!(
-                "cannot download {file} of {spec} (revision {revision}) from the Hugging Face Hub; \
-                 offline, set HF_HUB_OFFLINE=1 to use the cache, or pass a local model directory"
-            )
-        })
+        api.get(file)
+            .map_err(|e| hub_error(e, spec, revision, file))
     };
     let config = fetch(CONFIG_FILE)?;
     fetch(TOKENIZER_FILE)?;
-    if fetch(SINGLE_FILE).is_err() {
-        let index = fetch(INDEX_FILE)
-            .with_context(|| format!("{spec} has neither {SINGLE_FILE} nor {INDEX_FILE}"))?;
-        for shard in weight_files_from_index(&index)? {
-            fetch(&shard)?;
+    match weights {
+        WeightFiles::Single => {
+            fetch(SINGLE_FILE)?;
+        }
+        WeightFiles::Sharded => {
+            for shard in weight_files_from_index(&fetch(INDEX_FILE)?)? {
+                fetch(&shard)?;
+            }
         }
     }
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
@@ -315,6 +404,55 @@ mod tests {
             err.contains("distilbert-base-uncased") && err.contains("HF_HUB_OFFLINE"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn weights_are_chosen_from_the_listing() {
+        let files = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+        let both = files(&[CONFIG_FILE, SINGLE_FILE, INDEX_FILE, PICKLE_FILE]);
+        assert_eq!(weight_files("a/b", &both).unwrap(), WeightFiles::Single);
+        let sharded = files(&[INDEX_FILE, "model-00001-of-00002.safetensors", PICKLE_FILE]);
+        assert_eq!(weight_files("a/b", &sharded).unwrap(), WeightFiles::Sharded);
+        let pickles = files(&[
+            CONFIG_FILE,
+            "pytorch_model-00001-of-00002.bin",
+            "pytorch_model-00002-of-00002.bin",
+            "pytorch_model.bin.index.json",
+        ]);
+        let err = weight_files("a/b", &pickles).unwrap_err().to_string();
+        assert!(
+            err.starts_with("a/b has no safetensors weights, only pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin:")
+                && err.contains("save_pretrained"),
+            "{err}"
+        );
+        let err = weight_files("a/b", &files(&[CONFIG_FILE]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "a/b has no model weights (model.safetensors or model.safetensors.index.json)"
+        );
+    }
+
+    #[test]
+    fn hub_failures_say_what_they_are() {
+        use hf_hub::api::sync::ApiError;
+        let status = |code: u16| {
+            let response = ureq::Response::new(code, "status", "").unwrap();
+            ApiError::RequestError(Box::new(ureq::Error::Status(code, response)))
+        };
+        let say = |e, what| hub_error(e, "org/m", "v2", what).to_string();
+        assert!(say(status(401), LISTING).contains("HF_TOKEN"));
+        assert!(say(status(403), "config.json").contains("private or gated"));
+        assert_eq!(
+            say(status(404), LISTING),
+            "org/m (revision v2) is not on the Hugging Face Hub: no such repository, or no such branch, tag or commit"
+        );
+        assert_eq!(
+            say(status(404), "tokenizer.json"),
+            "org/m (revision v2) has no file tokenizer.json on the Hugging Face Hub"
+        );
+        assert!(say(status(503), LISTING).contains("HTTP 503"));
     }
 
     #[test]

@@ -128,6 +128,20 @@ fn summarize(record: &Value) -> String {
 /// The plot's size in pixels: two 500 x 420 panels side by side.
 const PLOT_SIZE: (u32, u32) = (1000, 420);
 
+/// The plot's font, embedded so that no node needs fontconfig, FreeType or a system font
+/// (DejaVu Sans; its licence is in assets/fonts/LICENSE).
+static PLOT_FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
+
+/// Makes the embedded font plotters' "sans-serif", once per process.
+fn register_plot_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let registered = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, PLOT_FONT).is_ok()
+    });
+    anyhow::ensure!(registered, "the embedded plot font does not load");
+    Ok(())
+}
+
 /// Two panels over steps: training loss, and every `eval_*` metric.
 pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
     let series = |key: &str| -> Vec<(f64, f64)> {
@@ -150,6 +164,7 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
     let loss = vec![("loss".to_string(), series("loss"))];
     let evals = eval_keys.iter().map(|k| (k.clone(), series(k))).collect();
 
+    register_plot_font()?;
     // Drawn in memory, then written as a PNG atomically and durably like every kept file.
     let (width, height) = PLOT_SIZE;
     let mut pixels = vec![0u8; width as usize * height as usize * 3];

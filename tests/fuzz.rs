@@ -299,51 +299,47 @@ const TARGETS: &[Target] = &[
     },
 ];
 
-/// Seed files matching a pattern whose last component may hold one `*`.
+/// Seed files matching a glob `pattern` relative to the crate root (`*` within one path
+/// component, as `tests/fuzz_seeds/*.conll` or `tests/fixtures/parity/*/config.json`), sorted.
 fn expand(pattern: &str) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let path = root.join(pattern);
-    let (dir, name) = (
-        path.parent().unwrap().to_path_buf(),
-        path.file_name().unwrap().to_string_lossy().to_string(),
-    );
-    let (dirs, name) = if pattern.contains("/*/") {
-        // One wildcard directory level: parity/*/config.json.
-        let (before, after) = pattern.split_once("/*/").unwrap();
-        let dirs: Vec<PathBuf> = std::fs::read_dir(root.join(before))
+    let parts: Vec<&str> = pattern.split('/').collect();
+    let literal = parts
+        .iter()
+        .take_while(|p| !p.contains(['*', '?', '[', '{']))
+        .count();
+    let base = root.join(parts[..literal].join("/"));
+    if literal == parts.len() {
+        return if base.is_file() {
+            vec![base]
+        } else {
+            Vec::new()
+        };
+    }
+    let matcher = globset::GlobBuilder::new(&parts[literal..].join("/"))
+        .literal_separator(true)
+        .build()
+        .unwrap_or_else(|e| panic!("seed pattern {pattern}: {e}"))
+        .compile_matcher();
+    let mut found = Vec::new();
+    let mut dirs = vec![base.clone()];
+    while let Some(dir) = dirs.pop() {
+        for path in std::fs::read_dir(&dir)
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.is_dir())
-            .collect();
-        return dirs
-            .into_iter()
-            .flat_map(|d| expand_in(&d, after))
-            .collect();
-    } else {
-        (vec![dir], name)
-    };
-    dirs.into_iter()
-        .flat_map(|d| expand_in(&d, &name))
-        .collect()
-}
-
-fn expand_in(dir: &Path, name: &str) -> Vec<PathBuf> {
-    let Some((prefix, suffix)) = name.split_once('*') else {
-        let p = dir.join(name);
-        return if p.is_file() { vec![p] } else { Vec::new() };
-    };
-    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_string_lossy();
-            p.is_file() && n.starts_with(prefix) && n.ends_with(suffix) && n.len() >= name.len() - 1
-        })
-        .collect();
+        {
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path
+                .strip_prefix(&base)
+                .is_ok_and(|rel| matcher.is_match(rel))
+            {
+                found.push(path);
+            }
+        }
+    }
     found.sort();
     found
 }

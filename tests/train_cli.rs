@@ -585,3 +585,27 @@ fn tcmalloc_is_preloaded_and_startup_and_peak_memory_are_logged() {
         assert!(peak > 20.0 && peak < 8192.0, "{end}");
     }
 }
+
+/// The plot's text comes from a font embedded in the binary: it links neither fontconfig nor
+/// FreeType, so nodes need neither installed (ldd lists the libraries it would load).
+#[test]
+fn the_binary_links_no_font_libraries() {
+    let Some(ldd) = common::require(
+        std::process::Command::new("ldd")
+            .arg(env!("CARGO_BIN_EXE_sprtrain"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success()),
+        "no ldd",
+    ) else {
+        return;
+    };
+    let libs = String::from_utf8_lossy(&ldd.stdout).to_string();
+    assert!(libs.contains("libtorch"), "{libs}");
+    for font_lib in ["libfontconfig", "libfreetype"] {
+        assert!(
+            !libs.contains(font_lib),
+            "the binary links {font_lib}:\n{libs}"
+        );
+    }
+}
