@@ -129,7 +129,7 @@ fn main() {
         Fp32Gemm::deserialize(name.as_str().into_deserializer())
             .unwrap_or_else(|e: serde::de::value::Error| panic!("SPRTRAIN_BENCH_FP32_GEMM: {e}"))
     });
-    let gemm = sprtrain::sysinfo::select_fp32_gemm(gemm).expect("runtime.fp32_gemm");
+    let gemm = gemm.select().expect("runtime.fp32_gemm");
     println!("fp32 products: {gemm:?}");
     // SPRTRAIN_BENCH_CASE=<text>, SPRTRAIN_BENCH_PATH=<text>, SPRTRAIN_BENCH_KIND=<text>: only
     // the cases, paths and dtypes ("Float", "BFloat16") whose name contains it (to profile one).

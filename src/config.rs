@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dist::Transport;
 use crate::models::{Head, ProblemType};
-use crate::sysinfo::CpuInfo;
+use crate::runtime::sysinfo::CpuInfo;
 
 /// Everything a run needs, as resolved from the file and `--set` overrides.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -610,6 +610,24 @@ impl Fp32Gemm {
             Fp32Gemm::Auto if cpu.avx512_bw_vl_dq => Fp32Gemm::BlasBrgemm,
             Fp32Gemm::Auto => Fp32Gemm::Blas,
             g => g,
+        }
+    }
+
+    /// Picks the library of this process's fp32 products (`runtime.fp32_gemm`, resolved for this
+    /// CPU) before any product runs, and returns the one in use. Where oneDNN refuses the CPU, an
+    /// explicit "onednn" is an error and "auto" falls back to the BLAS with a warning.
+    pub fn select(self) -> anyhow::Result<Fp32Gemm> {
+        let resolved = self.resolve(&CpuInfo::detect());
+        match crate::models::layers::use_onednn_fp32(
+            resolved.layers_onednn(),
+            resolved.attention_brgemm(),
+        ) {
+            Ok(()) => Ok(resolved),
+            Err(e) if self == Fp32Gemm::Auto => {
+                tracing::warn!("fp32 products through the BLAS: oneDNN refused this CPU ({e})");
+                Ok(Fp32Gemm::Blas)
+            }
+            Err(e) => anyhow::bail!("runtime.fp32_gemm = \"onednn\": {e}"),
         }
     }
 

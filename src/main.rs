@@ -6,10 +6,9 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
+use sprtrain::commands::predict::{self, PredictArgs};
 use sprtrain::config::Config;
 use sprtrain::models;
-use sprtrain::predict::{self, PredictArgs};
-use sprtrain::sysinfo;
 use sprtrain::train::setup;
 
 #[derive(Parser)]
@@ -40,10 +39,10 @@ enum Command {
     Env,
     /// Continue a prompt with a causal language model (greedy, or sampled with temperature,
     /// top-k and top-p), printing the prompt and its continuation.
-    Generate(sprtrain::generate::GenerateArgs),
+    Generate(sprtrain::commands::generate::GenerateArgs),
     /// Fold a LoRA adapter into its base model and write the full model (which transformers
     /// loads without PEFT).
-    Merge(sprtrain::merge::MergeArgs),
+    Merge(sprtrain::commands::merge::MergeArgs),
     /// Build a character-level tokenizer.json (one token per distinct character of a text
     /// file, as nanoGPT's shakespeare_char) with the tokenizers crate.
     CharTokenizer {
@@ -125,8 +124,8 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
 
 fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {
     let config = Config::load(path, overrides)?;
-    sprtrain::allocator::reexec_with(config.runtime.allocator)?;
-    sprtrain::startup::mark("config");
+    sprtrain::runtime::allocator::reexec_with(config.runtime.allocator)?;
+    sprtrain::runtime::startup::mark("config");
     let summary = sprtrain::train::train(&config, resume)?;
     if !summary.root {
         return Ok(());
@@ -170,16 +169,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Env => {
             // Under mpirun every rank reports where its threads go; rank 0 the machine too.
             let dist = sprtrain::dist::Dist::init(60.0, sprtrain::dist::Transport::Mpi)?;
-            let placement = sprtrain::placement::place_threads(&dist, 0, true)?;
+            let placement = sprtrain::runtime::placement::place_threads(&dist, 0, true)?;
             tch::set_num_threads(placement.count as i32);
             if dist.is_root() {
-                print!("{}", sysinfo::report());
+                print!("{}", sprtrain::commands::env::report());
             }
             let line = format!("placement        {}\n", placement.describe(&dist.topo));
             std::io::Write::write_all(&mut std::io::stdout().lock(), line.as_bytes())?;
         }
         Command::Generate(args) => {
-            let continuation = sprtrain::generate::run(&args).context("generate")?;
+            let continuation = sprtrain::commands::generate::run(&args).context("generate")?;
             let prompt = if args.chat {
                 String::new()
             } else {
@@ -188,7 +187,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{prompt}{continuation}");
         }
         Command::Merge(args) => {
-            let n = sprtrain::merge::run(&args).context("merge")?;
+            let n = sprtrain::commands::merge::run(&args).context("merge")?;
             eprintln!("merged {n} adapted layers into {}", args.output.display());
         }
         Command::CharTokenizer { text, output } => {
@@ -210,7 +209,7 @@ fn run(cli: Cli) -> Result<()> {
             output,
         } => {
             let c = Config::load(&config, &overrides)?;
-            sprtrain::allocator::reexec_with(c.runtime.allocator)?;
+            sprtrain::runtime::allocator::reexec_with(c.runtime.allocator)?;
             if let Some(m) =
                 sprtrain::train::evaluate_saved(&c, model.as_deref(), output.as_deref())?
             {
@@ -228,7 +227,7 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-/// Re-executes under the configured allocator (see `sprtrain::allocator`) before libtorch's
+/// Re-executes under the configured allocator (see `sprtrain::runtime::allocator`) before libtorch's
 /// own initialisers run: an entry of the executable's `.preinit_array` runs before those of
 /// its shared libraries, so the first process never initialises libtorch (operator
 /// registration, 0.3 s of every start). Anything unusual (no config, a config that does not
@@ -250,7 +249,7 @@ extern "C" fn early_allocator(
     extern "C" {
         static mut environ: *const *const std::ffi::c_char;
     }
-    sprtrain::startup::mark("loading");
+    sprtrain::runtime::startup::mark("loading");
     if argv.is_null() || envp.is_null() {
         return;
     }
@@ -261,7 +260,7 @@ extern "C" fn early_allocator(
             environ = envp;
         }
     }
-    if sprtrain::allocator::already_chosen() {
+    if sprtrain::runtime::allocator::already_chosen() {
         return; // the re-executed process: nothing to decide
     }
     // SAFETY: the loader passes `argc` NUL-terminated strings in `argv`.
@@ -283,12 +282,12 @@ extern "C" fn early_allocator(
         _ => return,
     };
     if let Ok(c) = Config::load(config, overrides) {
-        let _ = sprtrain::allocator::reexec_with_args(c.runtime.allocator, &args);
+        let _ = sprtrain::runtime::allocator::reexec_with_args(c.runtime.allocator, &args);
     }
 }
 
 fn main() -> ExitCode {
-    sprtrain::startup::mark("library_initialisers");
+    sprtrain::runtime::startup::mark("library_initialisers");
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -301,7 +300,7 @@ fn main() -> ExitCode {
     // A panic is a bug in sprtrain, but the user still gets one line, not a backtrace.
     if std::env::var_os("RUST_BACKTRACE").is_none() {
         std::panic::set_hook(Box::new(|info| {
-            if sprtrain::panic_guard::is_catching() {
+            if sprtrain::runtime::panic_guard::is_catching() {
                 return; // reported as an error naming the file
             }
             let msg = info
@@ -316,7 +315,7 @@ fn main() -> ExitCode {
     }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => match e.downcast_ref::<sprtrain::signals::Interrupted>() {
+        Err(e) => match e.downcast_ref::<sprtrain::runtime::signals::Interrupted>() {
             // Every rank stops alike; rank 0 (the one that saved) says so.
             Some(stop) => {
                 if stop.root {

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{max_abs_diff, mm_calls, per_pair_attention};
-use sprtrain::sysinfo::CpuInfo;
+use sprtrain::runtime::sysinfo::CpuInfo;
 use tch::{Device, Kind, Tensor};
 
 #[test]

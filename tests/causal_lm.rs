@@ -9,8 +9,8 @@ use std::path::Path;
 
 use common::{eval_results, fixtures, ok, sprtrain, RunConfig};
 use serde_json::Value;
+use sprtrain::commands::generate::{generate, Sampling};
 use sprtrain::data::chat::ChatTemplate;
-use sprtrain::generate::{generate, Sampling};
 use sprtrain::models::{from_pretrained, Head};
 
 fn meta(case: &str) -> Value {

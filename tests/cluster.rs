@@ -211,7 +211,7 @@ fn pin_map(stderr: &str) -> Vec<(usize, String, Vec<usize>)> {
         out.push((
             rank.parse().unwrap(),
             host.to_string(),
-            sprtrain::placement::parse_cpu_ranges(cores).unwrap(),
+            sprtrain::runtime::placement::parse_cpu_ranges(cores).unwrap(),
         ));
     }
     out
@@ -229,7 +229,7 @@ fn own_cores_give_each_node_its_own_cpus() {
         return;
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cores = sprtrain::placement::physical_cores().len();
+    let cores = sprtrain::runtime::placement::physical_cores().len();
     if cores >= 2 {
         let Some(cluster) = Cluster::up_with("oc", 2, &["--own-cores"]) else {
             return;

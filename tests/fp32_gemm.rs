@@ -11,7 +11,7 @@ mod common;
 use common::{mm_calls, per_pair_attention};
 use sprtrain::config::Fp32Gemm;
 use sprtrain::models::layers;
-use sprtrain::sysinfo::{self, CpuInfo};
+use sprtrain::runtime::sysinfo::CpuInfo;
 use tch::{Device, Kind, Tensor};
 
 fn leaf(dims: &[i64]) -> Tensor {
@@ -28,7 +28,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn fp32_products_through_onednn_match_libtorchs_blas() {
-    if let Err(e) = sysinfo::select_fp32_gemm(Fp32Gemm::Onednn) {
+    if let Err(e) = Fp32Gemm::Onednn.select() {
         // Only a CPU without what oneDNN's fp32 matmul needs may refuse it.
         assert!(
             !CpuInfo::detect().avx512_bw_vl_dq,
@@ -84,7 +84,7 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
     }
     // "blas+brgemm" (the BLAS for the layers): attention through the same microkernel, so the
     // same bits.
-    sysinfo::select_fp32_gemm(Fp32Gemm::BlasBrgemm).unwrap();
+    Fp32Gemm::BlasBrgemm.select().unwrap();
     for (&(t, queries, causal), (fused, grad_out, (out, grad))) in cases.iter().zip(&onednn) {
         let (again, again_grad) = per_pair_attention(fused, Kind::Float, queries, causal, grad_out);
         assert!(
@@ -92,7 +92,7 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
             "{queries} queries of {t} keys, causal {causal}: blas+brgemm's attention is not onednn's"
         );
     }
-    sysinfo::select_fp32_gemm(Fp32Gemm::Blas).unwrap();
+    Fp32Gemm::Blas.select().unwrap();
     let blas = layers::linear(&x, &w, None);
     let d = max_diff(&without, &blas);
     assert!(
@@ -121,7 +121,7 @@ fn fp32_products_through_onednn_match_libtorchs_blas() {
     let ((t, queries, causal), (fused, grad_out, _)) = (cases[2], &onednn[2]);
     let mut calls = Vec::new();
     for gemm in [Fp32Gemm::Blas, Fp32Gemm::BlasBrgemm] {
-        sysinfo::select_fp32_gemm(gemm).unwrap();
+        gemm.select().unwrap();
         let dir = tmp.path().join(format!("{gemm:?}"));
         calls.push(mm_calls(&dir, || {
             let _ = per_pair_attention(fused, Kind::Float, queries, causal, grad_out);

@@ -227,7 +227,7 @@ const TARGETS: &[Target] = &[
     Target {
         name: "shard_index",
         file: "model.safetensors.index.json",
-        parse: |p| sprtrain::hf_files::read_index(p).map(|_| ()),
+        parse: |p| sprtrain::io::hf_files::read_index(p).map(|_| ()),
         seeds: &["tests/fixtures/parity/*/model.safetensors.index.json"],
     },
     Target {

@@ -469,7 +469,7 @@ fn ranks_keep_the_launchers_binding_and_split_an_unbound_node() {
     let Some(mpirun) = require_mpirun() else {
         return;
     };
-    let cpus = sprtrain::placement::allowed_cpus();
+    let cpus = sprtrain::runtime::placement::allowed_cpus();
     if common::require((cpus.len() >= 2).then_some(()), "fewer than 2 CPUs").is_none() {
         return;
     }
@@ -497,7 +497,7 @@ fn ranks_keep_the_launchers_binding_and_split_an_unbound_node() {
     let text = env(&[BIN, "env"], Some("0"));
     let split = placements(&text);
     assert_eq!(split.len(), 2, "{text}");
-    let cores = sprtrain::placement::physical_cores();
+    let cores = sprtrain::runtime::placement::physical_cores();
     let share = |rank: usize| -> Vec<usize> {
         if cores.len() < 2 {
             vec![cores[0]]
@@ -510,7 +510,7 @@ fn ranks_keep_the_launchers_binding_and_split_an_unbound_node() {
         let n = share(rank).len();
         let want = format!(
             "cores {}, split by sprtrain, pinned, {} threads",
-            sprtrain::placement::cpu_ranges(&share(rank)),
+            sprtrain::runtime::placement::cpu_ranges(&share(rank)),
             if n > 2 { n - 1 } else { n }
         );
         assert!(line.ends_with(&want), "{line} (want {want})");

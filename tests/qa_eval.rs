@@ -12,7 +12,7 @@ use serde_json::Value;
 use sprtrain::data::batching::{Feature, Target};
 use sprtrain::data::squad::{load_squad, load_squad_json, QaFeature, QaReadOptions};
 use sprtrain::metrics::squad::{squad_v1, squad_v2, Gold};
-use sprtrain::qa::{postprocess, PostProcess};
+use sprtrain::tasks::qa_answers::{postprocess, PostProcess};
 
 fn read_json(name: &str) -> Value {
     let p = fixtures().join("qa").join(name);

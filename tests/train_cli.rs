@@ -176,7 +176,7 @@ fn fp32_products_through_onednn_train_as_through_the_blas() {
             write(tmp.path(), &out, config).to_str().unwrap(),
         ]);
         let text = String::from_utf8_lossy(&output.stderr).to_string();
-        if gemm == "onednn" && !sprtrain::sysinfo::CpuInfo::detect().avx512_bw_vl_dq {
+        if gemm == "onednn" && !sprtrain::runtime::sysinfo::CpuInfo::detect().avx512_bw_vl_dq {
             assert!(!output.status.success());
             assert!(text.contains("runtime.fp32_gemm = \"onednn\""), "{text}");
             eprintln!("skipped the comparison with oneDNN's matmul: it does not run on this CPU");

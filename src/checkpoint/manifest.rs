@@ -11,7 +11,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::atomic_file::write_json;
+use crate::io::atomic_file::write_json;
 
 pub const MANIFEST: &str = "manifest.json";
 

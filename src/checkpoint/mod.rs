@@ -18,8 +18,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with};
-use crate::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
+use crate::io::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with};
+use crate::io::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
 use crate::models::{lora, HfConfig, TaskModel};
 use crate::optim::AdamW;
 use manifest::Verdict;
@@ -306,15 +306,15 @@ fn publish_checkpoint(output_dir: &Path, tmp: &Path, final_dir: &Path, step: usi
     if final_dir.exists() {
         let old = old_dir(output_dir, step);
         publish(final_dir, &old)?;
-        crate::fault::point("old checkpoint moved aside");
+        crate::runtime::fault::point("old checkpoint moved aside");
         publish(tmp, final_dir)?;
-        crate::fault::point("checkpoint in place");
+        crate::runtime::fault::point("checkpoint in place");
         std::fs::remove_dir_all(&old)
             .with_context(|| format!("cannot remove {}", old.display()))?;
         sync_dir(output_dir)
     } else {
         publish(tmp, final_dir)?;
-        crate::fault::point("checkpoint in place");
+        crate::runtime::fault::point("checkpoint in place");
         Ok(())
     }
 }
@@ -333,10 +333,10 @@ fn rotate(output_dir: &Path, keep: usize, best: Option<usize>) -> Result<()> {
         // Renamed away first, so no half-removed directory keeps a checkpoint's name.
         let doomed = old_dir(output_dir, *step);
         publish(old, &doomed).with_context(|| format!("cannot remove {}", old.display()))?;
-        crate::fault::point("rotated checkpoint moved aside");
+        crate::runtime::fault::point("rotated checkpoint moved aside");
         std::fs::remove_dir_all(&doomed)
             .with_context(|| format!("cannot remove {}", doomed.display()))?;
-        crate::fault::point("rotated checkpoint removed");
+        crate::runtime::fault::point("rotated checkpoint removed");
         excess -= 1;
     }
     sync_dir(output_dir)
@@ -551,7 +551,7 @@ mod tests {
         };
         assert_eq!(get("a"), vec![1.5, -2.0, 3.25, 0.0, 7.0, -0.5]);
         assert_eq!(get("b"), vec![1.0, 3.0, 2.0, 4.0]);
-        assert!(!crate::atomic_file::temporary_path(&path).exists());
+        assert!(!crate::io::atomic_file::temporary_path(&path).exists());
     }
 
     #[test]

@@ -310,7 +310,9 @@ fn read_raw(path: &Path, cfg: &ReadOptions, bad: &mut BadRows) -> Result<Vec<Raw
         DataFormat::Tsv => read_delimited(path, cfg, b'\t', bad),
         DataFormat::Jsonl => read_jsonl(path, cfg, bad),
         DataFormat::Parquet => {
-            crate::panic_guard::catch(path, "the parquet reader", || read_parquet(path, cfg, bad))
+            crate::runtime::panic_guard::catch(path, "the parquet reader", || {
+                read_parquet(path, cfg, bad)
+            })
         }
         DataFormat::Conll => {
             bail!("data.format \"conll\" is for token classification (model.task \"token-cls\")")

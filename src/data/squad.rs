@@ -219,7 +219,7 @@ pub fn load_squad(path: &Path, options: QaReadOptions) -> Result<(Vec<QaExample>
     };
     let name = path.to_string_lossy().to_ascii_lowercase();
     if name.ends_with(".parquet") {
-        crate::panic_guard::catch(path, "the parquet reader", || {
+        crate::runtime::panic_guard::catch(path, "the parquet reader", || {
             read_parquet_records(path, &mut c)
         })?;
     } else if name.ends_with(".jsonl") {

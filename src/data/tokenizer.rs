@@ -29,7 +29,7 @@ fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
         check_unknown_token(model)
             .with_context(|| format!("{} is not a valid tokenizer.json", path.display()))?;
     }
-    crate::panic_guard::catch(path, "the tokenizers crate", || {
+    crate::runtime::panic_guard::catch(path, "the tokenizers crate", || {
         Tokenizer::from_bytes(&bytes)
             .map_err(|e| anyhow!("{} is not a valid tokenizer.json: {e}", path.display()))
     })
@@ -219,6 +219,6 @@ pub fn write_char_tokenizer(text_file: &Path, output: &Path) -> Result<usize> {
     let json = tokenizer
         .to_string(true)
         .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
-    crate::atomic_file::write_atomic(output, json.as_bytes())?;
+    crate::io::atomic_file::write_atomic(output, json.as_bytes())?;
     Ok(chars.len())
 }

@@ -317,7 +317,7 @@ impl Dist {
     /// `transport` says how the fp32 gradient sums travel (other collectives use MPI).
     pub fn init(collective_timeout_s: f64, transport: Transport) -> Result<Dist> {
         let timeout = Duration::from_secs_f64(collective_timeout_s.max(1.0));
-        let host = crate::sysinfo::hostname();
+        let host = crate::runtime::sysinfo::hostname();
         if !launched_by_mpi() {
             let topo = Topology {
                 rank: 0,
@@ -348,7 +348,7 @@ impl Dist {
                 let mut comms = Comms::new(universe.world());
                 if transport == Transport::Tcp && comms.world.size() > 1 {
                     let host = mpi::environment::processor_name()
-                        .unwrap_or_else(|_| crate::sysinfo::hostname());
+                        .unwrap_or_else(|_| crate::runtime::sysinfo::hostname());
                     if let Err(e) = comms.connect_ring(&host, timeout) {
                         let _ = topo_tx.send(Err(format!("{e:#}")));
                         // No MPI_Finalize: the other ranks may never reach it. The error
@@ -363,7 +363,7 @@ impl Dist {
                     local_rank: comms.node.rank() as usize,
                     local_size: comms.node.size() as usize,
                     host: mpi::environment::processor_name()
-                        .unwrap_or_else(|_| crate::sysinfo::hostname()),
+                        .unwrap_or_else(|_| crate::runtime::sysinfo::hostname()),
                 };
                 let _ = topo_tx.send(Ok(topo));
                 let several_nodes = comms.node.size() < comms.world.size();

@@ -7,43 +7,9 @@
 
 use tch::{nn, Kind, Tensor};
 
-use super::hf_config::{Activation, HfConfig};
+use super::hf_config::{Activation, DebertaSettings, HfConfig};
 use super::layers::{activate, dropout, Embedding, LayerNorm, Linear};
 use super::{run_stack, Boundary, EncoderInputs};
-
-/// The DeBERTa-specific keys of config.json, resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DebertaSettings {
-    pub relative_attention: bool,
-    /// Relative distances are clipped to +-span (`max_relative_positions`, or
-    /// `position_buckets` when bucketing).
-    pub max_relative_positions: i64,
-    /// > 0: distances beyond half of it are log-bucketed (v3: 256).
-    pub position_buckets: i64,
-    pub c2p: bool,
-    pub p2c: bool,
-    /// Positions are projected with the content's query/key projections (v3) instead of
-    /// their own `pos_key_proj` / `pos_query_proj`.
-    pub share_att_key: bool,
-    /// LayerNorm on the relative embeddings (`norm_rel_ebd = "layer_norm"`).
-    pub norm_rel_embeddings: bool,
-    /// Absolute position embeddings added to the input (false in v3).
-    pub position_biased_input: bool,
-    pub pooler_hidden_size: i64,
-    pub pooler_dropout: f64,
-    pub pooler_activation: Activation,
-}
-
-impl DebertaSettings {
-    /// Rows of the relative-embedding table are 2 x this.
-    pub fn span(&self) -> i64 {
-        if self.position_buckets > 0 {
-            self.position_buckets
-        } else {
-            self.max_relative_positions
-        }
-    }
-}
 
 /// `build_relative_position`: (T, T) query position minus key position, log-bucketed as
 /// `make_log_bucket_position` does (in fp32, as there) when `buckets` > 0.

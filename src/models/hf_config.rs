@@ -246,13 +246,104 @@ pub struct HfConfig {
     /// padded with `pad_token_id` = the end-of-sequence id, or 0).
     pub has_pad_token: bool,
     /// LoRA adapters to build on the targeted layers (a training choice, not in config.json).
-    pub lora: Option<super::lora::LoraSpec>,
+    pub lora: Option<LoraSpec>,
     /// DeBERTa-v2/v3's attention and pooler settings.
-    pub deberta: Option<super::deberta_v2::DebertaSettings>,
+    pub deberta: Option<DebertaSettings>,
     /// ModernBERT's layer pattern, rotary bases, biases and heads.
-    pub modernbert: Option<super::modernbert::ModernBertSettings>,
+    pub modernbert: Option<ModernBertSettings>,
     /// The file as read, kept so a saved config.json carries every key it came with.
     pub raw: serde_json::Value,
+}
+
+/// The DeBERTa-specific keys of config.json, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DebertaSettings {
+    pub relative_attention: bool,
+    /// Relative distances are clipped to +-span (`max_relative_positions`, or
+    /// `position_buckets` when bucketing).
+    pub max_relative_positions: i64,
+    /// > 0: distances beyond half of it are log-bucketed (v3: 256).
+    pub position_buckets: i64,
+    pub c2p: bool,
+    pub p2c: bool,
+    /// Positions are projected with the content's query/key projections (v3) instead of
+    /// their own `pos_key_proj` / `pos_query_proj`.
+    pub share_att_key: bool,
+    /// LayerNorm on the relative embeddings (`norm_rel_ebd = "layer_norm"`).
+    pub norm_rel_embeddings: bool,
+    /// Absolute position embeddings added to the input (false in v3).
+    pub position_biased_input: bool,
+    pub pooler_hidden_size: i64,
+    pub pooler_dropout: f64,
+    pub pooler_activation: Activation,
+}
+
+impl DebertaSettings {
+    /// Rows of the relative-embedding table are 2 x this.
+    pub fn span(&self) -> i64 {
+        if self.position_buckets > 0 {
+            self.position_buckets
+        } else {
+            self.max_relative_positions
+        }
+    }
+}
+
+/// The ModernBERT-specific keys of config.json, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModernBertSettings {
+    /// Per layer: local (sliding-window) attention, else global.
+    pub local_layers: Vec<bool>,
+    /// Keys within this distance of the query are seen by local layers (local_attention / 2).
+    pub half_window: i64,
+    pub global_rope_theta: f64,
+    pub local_rope_theta: f64,
+    pub norm_bias: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub mlp_dropout: f64,
+    pub classifier_bias: bool,
+    pub classifier_activation: Activation,
+    /// Sequence classification pools the first token ("cls") or the mean of real tokens.
+    pub mean_pooling: bool,
+    pub decoder_bias: bool,
+}
+
+/// Which layers get adapters, and their shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub r: i64,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Module names (last path segment, or a dotted suffix) that get adapters.
+    pub target_modules: Vec<String>,
+}
+
+impl LoraSpec {
+    /// PEFT's default targets per model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+    pub fn default_targets(arch: Arch) -> Vec<String> {
+        let names: &[&str] = match arch {
+            Arch::Gpt2 => &["c_attn"],
+            Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => &["query", "value"],
+            Arch::DistilBert => &["q_lin", "v_lin"],
+            Arch::DebertaV2 => &["query_proj", "value_proj"],
+            Arch::ModernBert => &["Wqkv"],
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => &["q_proj", "v_proj"],
+        };
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Whether the module at `path` (dotted) gets an adapter: PEFT's rule, an exact name or a
+    /// `.`-separated suffix.
+    pub fn targets(&self, path: &str) -> bool {
+        self.target_modules
+            .iter()
+            .any(|t| path == t || path.ends_with(&format!(".{t}")))
+    }
+
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
 }
 
 impl HfConfig {
@@ -574,7 +665,7 @@ fn deberta_v2_config(c: DebertaKeys, common: &CommonKeys) -> Result<HfConfig> {
         .to_lowercase()
         .split('|')
         .any(|t| t.trim() == "layer_norm");
-    let settings = super::deberta_v2::DebertaSettings {
+    let settings = DebertaSettings {
         relative_attention: c.relative_attention,
         max_relative_positions,
         position_buckets: c.position_buckets,
@@ -651,7 +742,7 @@ fn modernbert_config(c: ModernBertKeys, common: &CommonKeys) -> Result<HfConfig>
     if !c.decoder_bias {
         bail!("decoder_bias false is not supported");
     }
-    let settings = super::modernbert::ModernBertSettings {
+    let settings = ModernBertSettings {
         local_layers,
         half_window: c.local_attention / 2,
         global_rope_theta: theta("full_attention", c.global_rope_theta, 160_000.0)?,

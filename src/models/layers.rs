@@ -6,8 +6,7 @@ use std::cell::Cell;
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
-use super::hf_config::Activation;
-use super::lora::{LoraAdapter, LoraSpec};
+use super::hf_config::{Activation, LoraSpec};
 
 thread_local! {
     /// The lower-precision compute dtype in force on this thread, like PyTorch's autocast
@@ -362,6 +361,56 @@ impl Linear {
 }
 
 /// `y`, a layer's output on `x`, plus the layer's LoRA update if it has one.
+/// Whether a variable belongs to an adapter.
+pub fn is_adapter_variable(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.")
+}
+
+/// One layer's low-rank update.
+#[derive(Debug)]
+pub struct LoraAdapter {
+    pub a: Tensor, // (r, in)
+    pub b: Tensor, // (out, r)
+    scale: f64,
+    dropout: f64,
+}
+
+impl LoraAdapter {
+    /// The adapter of the module at `p` when `spec` targets it.
+    pub fn for_module(
+        p: &nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        spec: Option<&LoraSpec>,
+    ) -> Option<Self> {
+        let path = p.components().collect::<Vec<_>>().join(".");
+        let spec = spec.filter(|s| s.targets(&path))?;
+        // kaiming_uniform_(a=sqrt(5)) on an (r, in) weight: U(-1/sqrt(in), 1/sqrt(in)).
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        let a = (p / "lora_A").var(
+            "weight",
+            &[spec.r, in_dim],
+            nn::Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+        );
+        let b = (p / "lora_B").var("weight", &[out_dim, spec.r], nn::Init::Const(0.0));
+        Some(LoraAdapter {
+            a,
+            b,
+            scale: spec.scale(),
+            dropout: spec.dropout,
+        })
+    }
+
+    /// (alpha / r) B A dropout(x): what the adapter adds to the layer's output.
+    pub fn delta(&self, x: &Tensor, train: bool) -> Tensor {
+        let x = dropout(x, self.dropout, train);
+        linear(&linear(&x, &self.a, None), &self.b, None) * self.scale
+    }
+}
+
 fn with_lora(y: Tensor, lora: &Option<LoraAdapter>, x: &Tensor, train: bool) -> Tensor {
     match lora {
         Some(l) => y + l.delta(x, train),

@@ -14,100 +14,14 @@ use serde_json::json;
 use tch::{nn, Tensor};
 
 use super::hf_config::Arch;
-use super::layers::{dropout, linear};
+pub use super::hf_config::LoraSpec;
+pub use super::layers::{is_adapter_variable, LoraAdapter};
 
 /// The adapter files PEFT reads and writes.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 /// PEFT's prefix of every adapter key in adapter_model.safetensors.
 const PEFT_PREFIX: &str = "base_model.model.";
-
-/// Which layers get adapters, and their shape.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoraSpec {
-    pub r: i64,
-    pub alpha: f64,
-    pub dropout: f64,
-    /// Module names (last path segment, or a dotted suffix) that get adapters.
-    pub target_modules: Vec<String>,
-}
-
-impl LoraSpec {
-    /// PEFT's default targets per model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
-    pub fn default_targets(arch: Arch) -> Vec<String> {
-        let names: &[&str] = match arch {
-            Arch::Gpt2 => &["c_attn"],
-            Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => &["query", "value"],
-            Arch::DistilBert => &["q_lin", "v_lin"],
-            Arch::DebertaV2 => &["query_proj", "value_proj"],
-            Arch::ModernBert => &["Wqkv"],
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => &["q_proj", "v_proj"],
-        };
-        names.iter().map(|s| s.to_string()).collect()
-    }
-
-    /// Whether the module at `path` (dotted) gets an adapter: PEFT's rule, an exact name or a
-    /// `.`-separated suffix.
-    pub fn targets(&self, path: &str) -> bool {
-        self.target_modules
-            .iter()
-            .any(|t| path == t || path.ends_with(&format!(".{t}")))
-    }
-
-    pub fn scale(&self) -> f64 {
-        self.alpha / self.r as f64
-    }
-}
-
-/// Whether a variable belongs to an adapter.
-pub fn is_adapter_variable(name: &str) -> bool {
-    name.contains(".lora_A.") || name.contains(".lora_B.")
-}
-
-/// One layer's low-rank update.
-#[derive(Debug)]
-pub struct LoraAdapter {
-    pub a: Tensor, // (r, in)
-    pub b: Tensor, // (out, r)
-    scale: f64,
-    dropout: f64,
-}
-
-impl LoraAdapter {
-    /// The adapter of the module at `p` when `spec` targets it.
-    pub fn for_module(
-        p: &nn::Path,
-        in_dim: i64,
-        out_dim: i64,
-        spec: Option<&LoraSpec>,
-    ) -> Option<Self> {
-        let path = p.components().collect::<Vec<_>>().join(".");
-        let spec = spec.filter(|s| s.targets(&path))?;
-        // kaiming_uniform_(a=sqrt(5)) on an (r, in) weight: U(-1/sqrt(in), 1/sqrt(in)).
-        let bound = 1.0 / (in_dim as f64).sqrt();
-        let a = (p / "lora_A").var(
-            "weight",
-            &[spec.r, in_dim],
-            nn::Init::Uniform {
-                lo: -bound,
-                up: bound,
-            },
-        );
-        let b = (p / "lora_B").var("weight", &[out_dim, spec.r], nn::Init::Const(0.0));
-        Some(LoraAdapter {
-            a,
-            b,
-            scale: spec.scale(),
-            dropout: spec.dropout,
-        })
-    }
-
-    /// (alpha / r) B A dropout(x): what the adapter adds to the layer's output.
-    pub fn delta(&self, x: &Tensor, train: bool) -> Tensor {
-        let x = dropout(x, self.dropout, train);
-        linear(&linear(&x, &self.a, None), &self.b, None) * self.scale
-    }
-}
 
 /// PEFT's adapter_config.json for `spec` on the model from `base`.
 pub fn adapter_config_json(spec: &LoraSpec, arch: Arch, base: &str, task_type: &str) -> String {

@@ -877,11 +877,11 @@ pub fn read_config(
     dir: &std::path::Path,
     adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
 ) -> Result<HfConfig> {
-    let config_path = dir.join(crate::hf_files::CONFIG_FILE);
+    let config_path = dir.join(crate::io::hf_files::CONFIG_FILE);
     if !config_path.is_file() {
         bail!(
             "no {} in model directory {}",
-            crate::hf_files::CONFIG_FILE,
+            crate::io::hf_files::CONFIG_FILE,
             dir.display()
         );
     }

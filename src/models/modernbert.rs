@@ -7,32 +7,12 @@
 
 use tch::{nn, Kind, Tensor};
 
-use super::hf_config::{Activation, HfConfig, Rope, RopeScaling};
+use super::hf_config::{Activation, HfConfig, ModernBertSettings, Rope, RopeScaling};
 use super::layers::{
     activate, causal_attention, dropout, CausalMask, Embedding, LayerNorm, Linear,
 };
 use super::llama::{apply_rotary, Rotary};
 use super::{run_stack, Boundary, EncoderInputs};
-
-/// The ModernBERT-specific keys of config.json, resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ModernBertSettings {
-    /// Per layer: local (sliding-window) attention, else global.
-    pub local_layers: Vec<bool>,
-    /// Keys within this distance of the query are seen by local layers (local_attention / 2).
-    pub half_window: i64,
-    pub global_rope_theta: f64,
-    pub local_rope_theta: f64,
-    pub norm_bias: bool,
-    pub attention_bias: bool,
-    pub mlp_bias: bool,
-    pub mlp_dropout: f64,
-    pub classifier_bias: bool,
-    pub classifier_activation: Activation,
-    /// Sequence classification pools the first token ("cls") or the mean of real tokens.
-    pub mean_pooling: bool,
-    pub decoder_bias: bool,
-}
 
 /// `ModernBertEncoderLayer`: `attn_norm` (none in layer 0), `attn.{Wqkv,Wo}`, `mlp_norm`,
 /// `mlp.{Wi,Wo}`.

@@ -14,7 +14,7 @@ use safetensors::{Dtype, SafeTensors};
 use tch::{nn, Kind, Tensor};
 
 use super::TaskModel;
-use crate::hf_files::{read_index, INDEX_FILE, PICKLE_FILE, SINGLE_FILE};
+use crate::io::hf_files::{read_index, INDEX_FILE, PICKLE_FILE, SINGLE_FILE};
 
 /// All tensors of a checkpoint, by their (renamed) state-dict key.
 pub struct Checkpoint {
@@ -222,7 +222,7 @@ pub fn load_checkpoint(
         };
         let Some((orig, src)) = tensors.remove(&name) else {
             // LoRA adapters start fresh on a base model, as PEFT's do (not reported).
-            if super::lora::is_adapter_variable(&name) {
+            if super::layers::is_adapter_variable(&name) {
                 continue;
             }
             if model.may_be_newly_initialised(&name) {

@@ -12,6 +12,7 @@
 //! variant with its head (config.rs), and one line in [`read`].
 
 pub mod language_modeling;
+pub mod qa_answers;
 pub mod question_answering;
 pub mod sequence_classification;
 pub mod token_classification;

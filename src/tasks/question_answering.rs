@@ -1,5 +1,5 @@
 //! Extractive question answering, as transformers' run_qa.py: SQuAD-style questions, contexts
-//! cut into overlapping windows, answers extracted from start/end logits (`crate::qa`) and
+//! cut into overlapping windows, answers extracted from start/end logits (`qa_answers`) and
 //! scored with the official SQuAD v1.1 / v2.0 exact match and F1.
 
 use std::collections::BTreeMap;
@@ -8,12 +8,12 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use tch::Kind;
 
+use super::qa_answers::{self, PostProcess};
 use super::{DataFiles, EvalSet, Shards, TaskData, TokenizeOptions, Tokenized};
 use crate::config::Config;
 use crate::data::batching::Feature;
 use crate::data::squad::{self, QaExample, QaFeature, QaReadOptions};
 use crate::models::{HfConfig, ModelOutput};
-use crate::qa::{self, PostProcess};
 
 /// Questions with their contexts and answers; held-out questions are whole articles.
 pub struct QaData {
@@ -173,10 +173,10 @@ impl EvalSet for QaEval {
         }
         let v2 = self.post.version_2_with_negative;
         let predictions =
-            qa::postprocess(&self.examples, &self.windows, &starts, &ends, &self.post)?;
+            qa_answers::postprocess(&self.examples, &self.windows, &starts, &ends, &self.post)?;
         if let Some(dir) = predictions_dir {
-            qa::write_predictions(dir, &predictions, v2)?;
+            qa_answers::write_predictions(dir, &predictions, v2)?;
         }
-        Ok(qa::score(&self.examples, &predictions, v2))
+        Ok(qa_answers::score(&self.examples, &predictions, v2))
     }
 }

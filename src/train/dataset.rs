@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use crate::config::Config;
 use crate::data::batching::{decode_features, encode_features, Feature};
 use crate::dist::Dist;
-use crate::hub::{self, SplitChoice};
+use crate::io::hub::{self, SplitChoice};
 use crate::tasks::{DataFiles, Shards};
 
 /// Training and evaluation files, and the fraction to hold out when there is no evaluation

@@ -9,11 +9,11 @@ use anyhow::{bail, Context, Result};
 
 use super::dataset::resolve_data;
 use super::setup::{on_every_rank, prepare, set_up_numerics, ModelSource};
-use crate::atomic_file::write_json;
 use crate::config::Config;
 use crate::data::batching::{batch_labels, collate, Feature};
 use crate::dist::Dist;
-use crate::hf_files::CONFIG_FILE;
+use crate::io::atomic_file::write_json;
+use crate::io::hf_files::CONFIG_FILE;
 use crate::models::{lora, TaskModel};
 use crate::tasks::{self, EvalSet};
 

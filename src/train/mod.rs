@@ -33,11 +33,11 @@ use crate::dist::Dist;
 use crate::models::layers::{seed_dropout, AutocastGuard};
 use crate::models::TaskModel;
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
+use crate::report::tensorboard::EventWriter;
 use crate::report::{MetricsLog, Progress};
-use crate::signals::{self, Interrupted};
-use crate::startup;
+use crate::runtime::signals::{self, Interrupted};
+use crate::runtime::startup;
 use crate::tasks::{self, EvalSet};
-use crate::tensorboard::EventWriter;
 use dataset::resolve_data;
 use eval::{evaluate, write_eval_results, EvalOptions};
 use grad_sync::{agree_and_broadcast, GradSync};
@@ -664,7 +664,7 @@ impl<'a> Trainer<'a> {
             self.opt.flat.numel(),
             self.sync.buckets()
         );
-        let startup_s = crate::sysinfo::process_age_s();
+        let startup_s = crate::runtime::sysinfo::process_age_s();
         let unix_time = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
@@ -696,7 +696,7 @@ impl<'a> Trainer<'a> {
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
                 "event": "train_end", "step": self.state.global_step,
-                "peak_rss_mib": crate::sysinfo::peak_rss_mib(),
+                "peak_rss_mib": crate::runtime::sysinfo::peak_rss_mib(),
             }))?;
         }
         if let (true, Some(best)) = (

@@ -90,12 +90,12 @@ impl StepProfiler {
             );
         }
         // libtorch wrote the trace in place; it is a diagnostic, kept once it is on disk.
-        crate::atomic_file::sync_file(&trace)?;
-        crate::atomic_file::sync_dir(&self.dir)?;
+        crate::io::atomic_file::sync_file(&trace)?;
+        crate::io::atomic_file::sync_dir(&self.dir)?;
         let events = parse_events(&take_string(events))?;
         let table = ops_table(&events, steps, wall_ns);
         let path = self.dir.join("ops.md");
-        crate::atomic_file::write_atomic(&path, table.as_bytes())?;
+        crate::io::atomic_file::write_atomic(&path, table.as_bytes())?;
         Ok(Some(path))
     }
 }

@@ -12,10 +12,10 @@ use crate::config::{Config, Precision};
 use crate::data::batching::Feature;
 use crate::data::masking::Masking;
 use crate::dist::Dist;
-use crate::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
-use crate::hub;
+use crate::io::hf_files::{CONFIG_FILE, TOKENIZER_FILE};
+use crate::io::hub;
 use crate::models::{self, layers::AutocastGuard, lora, Head, HfConfig, TaskModel};
-use crate::sysinfo::{self, CpuInfo};
+use crate::runtime::sysinfo::CpuInfo;
 use crate::tasks::{EvalSet, TaskData, TokenizeOptions, Tokenized};
 
 /// The model directory, and whether to build it with random weights: `model.random_init`, or
@@ -205,7 +205,7 @@ pub fn prepare(
         eval,
         masking,
     } = tokenized?;
-    crate::startup::mark("model_and_tokenize");
+    crate::runtime::startup::mark("model_and_tokenize");
     Ok(Prepared {
         vs: pretrained.vs,
         model: pretrained.model,
@@ -222,15 +222,18 @@ pub fn set_up_numerics(config: &Config, dist: &Dist) -> Result<AutocastGuard> {
     let precision = config.runtime.precision.resolve(&CpuInfo::detect());
     let autocast =
         models::layers::autocast((precision == Precision::Bf16).then_some(Kind::BFloat16));
-    let threads =
-        crate::placement::place_threads(dist, config.runtime.threads, config.dist.pin_threads)?;
+    let threads = crate::runtime::placement::place_threads(
+        dist,
+        config.runtime.threads,
+        config.dist.pin_threads,
+    )?;
     tch::set_num_threads(threads.count as i32);
-    let gemm = sysinfo::select_fp32_gemm(config.runtime.fp32_gemm)?;
+    let gemm = config.runtime.fp32_gemm.select()?;
     if dist.is_root() {
         tracing::info!(
             "precision {precision:?}, fp32 products {gemm:?}, {} process(es), allocator {}",
             dist.topo.world,
-            crate::allocator::in_use()
+            crate::runtime::allocator::in_use()
         );
     }
     // The pin map: one line per rank, naming its host and cores, printed once by rank 0.
@@ -278,7 +281,7 @@ pub fn on_every_rank<T>(
     match job(&dist) {
         // A stop signal ends every rank alike, once rank 0 has saved: no abort, which could
         // end rank 0 mid-save; dropping `dist` waits for all ranks.
-        Err(e) if dist.topo.world > 1 && !e.is::<crate::signals::Interrupted>() => {
+        Err(e) if dist.topo.world > 1 && !e.is::<crate::runtime::signals::Interrupted>() => {
             crate::dist::eprint_line(&format!("sprtrain: rank {}: error: {e:#}", dist.topo.rank));
             dist.abort(1)
         }

@@ -61,7 +61,7 @@ impl EventWriter {
     pub fn create(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let now = wall_time();
-        let host = crate::sysinfo::hostname();
+        let host = crate::runtime::sysinfo::hostname();
         let path = dir.join(format!("events.out.tfevents.{}.{host}", now as u64));
         let file = std::fs::File::create(&path)
             .with_context(|| format!("cannot create {}", path.display()))?;

@@ -29,9 +29,9 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    crate::fault::point(&format!("{} written", tmp.display()));
+    crate::runtime::fault::point(&format!("{} written", tmp.display()));
     publish(&tmp, path)?;
-    crate::fault::point(&format!("{} in place", path.display()));
+    crate::runtime::fault::point(&format!("{} in place", path.display()));
     Ok(())
 }
 

@@ -11,8 +11,8 @@ use tch::{Kind, Tensor};
 
 use crate::data::chat::ChatTemplate;
 use crate::data::tokenizer::load_untruncated;
-use crate::hf_files::TOKENIZER_FILE;
-use crate::hub;
+use crate::io::hf_files::TOKENIZER_FILE;
+use crate::io::hub;
 use crate::models::{self, lora, Head, TaskModel};
 
 /// `sprtrain generate` options.
@@ -186,11 +186,11 @@ pub fn generate(
 
 /// `sprtrain generate`: prints the prompt's continuation.
 pub fn run(args: &GenerateArgs) -> Result<String> {
-    crate::sysinfo::select_fp32_gemm(crate::config::Fp32Gemm::Auto)?;
+    crate::config::Fp32Gemm::Auto.select()?;
     let dir: PathBuf = hub::resolve_model_dir(&args.model, &args.revision)?;
     // A LoRA adapter runs on its base model.
     let pretrained = if lora::is_adapter_dir(&dir) {
-        crate::merge::load(&dir, None, Head::CausalLm)?.1
+        crate::commands::merge::load(&dir, None, Head::CausalLm)?.1
     } else {
         models::from_pretrained(&dir, Head::CausalLm, |_| Ok(()), 0).with_context(|| {
             format!("cannot load a causal language model from {}", dir.display())

@@ -18,7 +18,7 @@ pub fn mark(phase: &'static str) {
 /// (from /proc, 10 ms resolution: it includes the dynamic loading of libtorch and, when the
 /// allocator is chosen, the first process's part). None where the process age is unknown.
 pub fn phases() -> Option<serde_json::Map<String, serde_json::Value>> {
-    let age = crate::sysinfo::process_age_s()?;
+    let age = crate::runtime::sysinfo::process_age_s()?;
     let now = SystemTime::now();
     let started = now.checked_sub(std::time::Duration::from_secs_f64(age))?;
     let marks = MARKS.lock().ok()?;

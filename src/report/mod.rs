@@ -2,6 +2,8 @@
 //! lines when stderr is not a terminal), the final summary table, and a PNG plot of the loss
 //! and evaluation metrics over steps.
 
+pub mod tensorboard;
+
 use std::io::Write;
 use std::path::Path;
 
@@ -130,7 +132,7 @@ const PLOT_SIZE: (u32, u32) = (1000, 420);
 
 /// The plot's font, embedded so that no node needs fontconfig, FreeType or a system font
 /// (DejaVu Sans; its licence is in assets/fonts/LICENSE).
-static PLOT_FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
+static PLOT_FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
 
 /// Makes the embedded font plotters' "sans-serif", once per process.
 fn register_plot_font() -> Result<()> {
@@ -177,7 +179,7 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<()> {
         root.present()
             .with_context(|| format!("cannot draw {}", path.display()))?;
     }
-    crate::atomic_file::write_atomic_with(path, |tmp| {
+    crate::io::atomic_file::write_atomic_with(path, |tmp| {
         image::save_buffer_with_format(
             tmp,
             &pixels,

@@ -8,12 +8,12 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
-use crate::atomic_file::write_atomic_with;
 use crate::config::TaskName;
 use crate::data::batching::{collate, Feature, Target};
 use crate::data::tokenizer::{TextTokenizer, Truncation};
-use crate::hf_files::TOKENIZER_FILE;
-use crate::hub;
+use crate::io::atomic_file::write_atomic_with;
+use crate::io::hf_files::TOKENIZER_FILE;
+use crate::io::hub;
 use crate::models::{self, ProblemType};
 
 /// Longest answer, in tokens, considered for a question (transformers' `max_answer_length`).
@@ -326,7 +326,7 @@ pub fn run(args: &PredictArgs) -> Result<(usize, f64)> {
         _ => {}
     }
     let examples = read_examples(&args.input, task)?;
-    crate::sysinfo::select_fp32_gemm(crate::config::Fp32Gemm::Auto)?;
+    crate::config::Fp32Gemm::Auto.select()?;
     let dir = hub::resolve_model_dir(&args.model, &args.revision)?;
     let pretrained = models::from_pretrained(
         &dir,

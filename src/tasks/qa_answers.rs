@@ -15,8 +15,8 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
-use crate::atomic_file::write_json;
 use crate::data::squad::{QaExample, QaFeature};
+use crate::io::atomic_file::write_json;
 
 /// Post-processing settings (run_qa.py's flags of the same names).
 #[derive(Debug, Clone, Copy, PartialEq)]

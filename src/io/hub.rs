@@ -12,7 +12,7 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use std::collections::BTreeSet;
 
-use crate::hf_files::{
+use crate::io::hf_files::{
     read_index, CONFIG_FILE, INDEX_FILE, PICKLE_FILE, SINGLE_FILE, TOKENIZER_FILE,
 };
 
@@ -276,7 +276,7 @@ pub fn resolve_data_file(spec: &str, choice: SplitChoice) -> Result<PathBuf> {
             .then(|| source.get("README.md"))
             .transpose()?
             .map(|p| std::fs::read_to_string(&p).unwrap_or_default());
-        let found = crate::dataset_repo::split_files(
+        let found = crate::io::dataset_repo::split_files(
             &listing,
             readme.as_deref(),
             choice.config,

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 use crate::checkpoint::{copy_tokenizer, write_full_model};
-use crate::hf_files::TOKENIZER_FILE;
-use crate::hub;
+use crate::io::hf_files::TOKENIZER_FILE;
+use crate::io::hub;
 use crate::models::{lora, Head, HfConfig, TaskModel};
 
 /// `sprtrain merge` options.
