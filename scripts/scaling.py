@@ -55,11 +55,16 @@ def physical_cores():
     return len(cores)
 
 
+# --shared-cores: the nodes float over all of the machine's cores, so a node's communication
+# can run on a core its training does not use at that moment.
+SHARED_CORES = False
+
+
 def cluster(nodes, rate=None):
     """Each node on its own cores where there are enough (as real nodes are): floating, the
     two ranks' threads and their network work land on one core at times, and step times
     swing by a third from run to run."""
-    own = ["--own-cores"] if nodes <= physical_cores() else []
+    own = ["--own-cores"] if nodes <= physical_cores() and not SHARED_CORES else []
     sh(SIM, "down", "--name", NAME, capture_output=True, check=False)
     sh(SIM, "up", "--name", NAME, "--nodes", nodes, *own, *(["--rate", rate] if rate else []))
 
@@ -179,7 +184,11 @@ def main():
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="only the acceptance row (seq 384, 25 Gbit/s, fp32 wire): N alternations of the "
                         "reference and the two-node run, each pair's efficiency and their median")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="the simulated nodes share all cores instead of one core each")
     a = p.parse_args()
+    global SHARED_CORES
+    SHARED_CORES = a.shared_cores
     if a.reference_only:
         results = json.loads(Path(a.json).read_text())
         for seq in [int(s) for s in a.seqs.split(",")]:

@@ -412,7 +412,9 @@ fn sigint_on_rank_0_stops_every_rank_after_a_checkpoint() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let data = mpi_data(tmp.path());
-    let steps = 120;
+    // Long enough that the signal lands mid-run however late this process sees step 3 on a
+    // busy machine (120 steps, about 0.2 s of training, once finished before it).
+    let steps = 600;
     let (c_full, full) = mpi_config(tmp.path(), &data, "full", 4, 1, steps);
     let (c, out) = mpi_config(tmp.path(), &data, "stopped", 4, 1, steps);
     let mpi = |config: &Path, args: &[&str]| {

@@ -312,111 +312,18 @@ impl Ring {
     /// is computed once, by one rank, and copied to the others, so every rank ends with the
     /// same bits. A failed connection is an error naming the neighbour.
     pub fn allreduce_sum(&self, send: &[f32], out: &mut [f32]) -> Result<()> {
-        let (n, rank) = (self.world, self.rank);
         if send.len() != out.len() {
             bail!("ring sum of {} values into {}", send.len(), out.len());
         }
-        let ranges: Vec<std::ops::Range<usize>> = (0..n).map(|c| chunk(send.len(), n, c)).collect();
-        // The two sides take turns on each chunk: the sender reads what the receiver wrote a
-        // step before, and the receiver, which can run up to n - 1 steps ahead, overwrites a
-        // chunk only after the sender has sent its old value (two channels count the steps
-        // done). Each chunk sits behind its own lock, held by one side at a time.
-        let mut rest = &mut out[..];
-        let mut chunks: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(n);
-        for c in &ranges {
-            let (this, tail) = rest.split_at_mut(c.len());
-            chunks.push(Mutex::new(this));
-            rest = tail;
-        }
-        let steps = 2 * (n - 1);
-        // Step t sends chunk (rank - t) and receives chunk (rank - t - 1), mod n: the first
-        // n - 1 steps add what arrives to this rank's own values (reduce-scatter; after them
-        // chunk rank + 1 is complete here), the last n - 1 copy complete chunks (all-gather).
-        // (t + 1 <= steps < 2n, so adding 2n keeps the differences non-negative.)
-        let sent_at = |t: usize| (rank + 2 * n - t) % n;
-        let received_at = |t: usize| (rank + 2 * n - t - 1) % n;
-        let lock = |c: usize| chunks[c].lock().unwrap_or_else(|e| e.into_inner());
-        let ranges = &ranges;
-        let lock = &lock;
-
+        let plan = RingSum::new(send, out, self.rank, self.world);
+        let plan = &plan;
         std::thread::scope(|scope| -> Result<()> {
             let (received_tx, received_rx) = mpsc::channel::<()>();
             let (sent_tx, sent_rx) = mpsc::channel::<()>();
-            let sender = scope.spawn(move || -> Result<()> {
-                let mut right = &self.right;
-                let result = (|| -> Result<()> {
-                    for t in 0..steps {
-                        let c = sent_at(t);
-                        if t == 0 {
-                            right.write_all(bytemuck::cast_slice(&send[ranges[c].clone()]))?;
-                        } else {
-                            // The receiver finished step t - 1, which wrote chunk c.
-                            if received_rx.recv().is_err() {
-                                return Ok(()); // the receiver failed and says why
-                            }
-                            right.write_all(bytemuck::cast_slice(&lock(c)[..]))?;
-                        }
-                        let _ = sent_tx.send(());
-                    }
-                    Ok(())
-                })();
-                if result.is_err() {
-                    // Unblock the receiver: the sum cannot finish.
-                    let _ = self.left.shutdown(Shutdown::Both);
-                }
-                result.with_context(|| {
-                    format!(
-                        "rank {rank}: sending to {} in the gradient ring",
-                        self.right_name
-                    )
-                })
-            });
-            let mut left = &self.left;
-            let mut piece = vec![0f32; PIECE.min(ranges[0].len().max(1))];
-            let received = (|| -> std::io::Result<()> {
-                let mut sent = 0;
-                for t in 0..steps {
-                    let c = received_at(t);
-                    // Chunk c went out at step t + 1 - n, if there was one: wait till it has.
-                    while sent + n < t + 2 {
-                        if sent_rx.recv().is_err() {
-                            return Ok(()); // the sender failed and says why
-                        }
-                        sent += 1;
-                    }
-                    let mut dst = lock(c);
-                    if t < n - 1 {
-                        let own = &send[ranges[c].clone()];
-                        for (o, s) in dst.chunks_mut(piece.len()).zip(own.chunks(piece.len())) {
-                            let p = &mut piece[..o.len()];
-                            left.read_exact(bytemuck::cast_slice_mut(p))?;
-                            for ((o, s), p) in o.iter_mut().zip(s).zip(p.iter()) {
-                                *o = s + p;
-                            }
-                        }
-                    } else {
-                        left.read_exact(bytemuck::cast_slice_mut(&mut dst[..]))?;
-                    }
-                    drop(dst);
-                    let _ = received_tx.send(());
-                }
-                Ok(())
-            })()
-            .map_err(|e: std::io::Error| {
-                let e = match e.kind() {
-                    std::io::ErrorKind::UnexpectedEof => {
-                        anyhow!("the connection was closed (did that rank end?)")
-                    }
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                        anyhow!("nothing arrived for {} s", 2 * self.timeout_s)
-                    }
-                    _ => anyhow!(e),
-                };
-                e.context(format!(
-                    "rank {rank}: receiving from {} in the gradient ring",
-                    self.left_name
-                ))
-            });
+            let sender = scope.spawn(move || self.send_side(plan, received_rx, sent_tx));
+            let received = self
+                .receive_side(plan, sent_rx, &received_tx)
+                .map_err(|e| self.receive_error(e));
             if received.is_err() {
                 // Unblock a sender stuck writing to a neighbour that no longer reads.
                 let _ = self.right.shutdown(Shutdown::Both);
@@ -424,10 +331,153 @@ impl Ring {
             drop(received_tx);
             let sent = sender
                 .join()
-                .map_err(|_| anyhow!("rank {rank}: the gradient ring's sender panicked"))?;
+                .map_err(|_| anyhow!("rank {}: the gradient ring's sender panicked", self.rank))?;
             // The sender's error, if any, is the cause; the receiver's then only follows it.
             sent.and(received)
         })
+    }
+
+    /// The sending thread: chunk `sent_at(t)` at each step, once the receiver has written it.
+    fn send_side(
+        &self,
+        plan: &RingSum,
+        received_rx: mpsc::Receiver<()>,
+        sent_tx: mpsc::Sender<()>,
+    ) -> Result<()> {
+        let mut right = &self.right;
+        let result = (|| -> Result<()> {
+            for t in 0..plan.steps {
+                let c = plan.sent_at(t);
+                if t == 0 {
+                    right.write_all(bytemuck::cast_slice(&plan.send[plan.ranges[c].clone()]))?;
+                } else {
+                    // The receiver finished step t - 1, which wrote chunk c.
+                    if received_rx.recv().is_err() {
+                        return Ok(()); // the receiver failed and says why
+                    }
+                    right.write_all(bytemuck::cast_slice(&plan.lock(c)[..]))?;
+                }
+                let _ = sent_tx.send(());
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            // Unblock the receiver: the sum cannot finish.
+            let _ = self.left.shutdown(Shutdown::Both);
+        }
+        result.with_context(|| {
+            format!(
+                "rank {}: sending to {} in the gradient ring",
+                self.rank, self.right_name
+            )
+        })
+    }
+
+    /// The receiving side (this thread): the first n - 1 steps add what arrives to this
+    /// rank's own values, the last n - 1 copy complete chunks.
+    fn receive_side(
+        &self,
+        plan: &RingSum,
+        sent_rx: mpsc::Receiver<()>,
+        received_tx: &mpsc::Sender<()>,
+    ) -> std::io::Result<()> {
+        let n = plan.n;
+        let mut left = &self.left;
+        let mut piece = vec![0f32; PIECE.min(plan.ranges[0].len().max(1))];
+        let mut sent = 0;
+        for t in 0..plan.steps {
+            let c = plan.received_at(t);
+            // Chunk c went out at step t + 1 - n, if there was one: wait till it has.
+            while sent + n < t + 2 {
+                if sent_rx.recv().is_err() {
+                    return Ok(()); // the sender failed and says why
+                }
+                sent += 1;
+            }
+            let mut dst = plan.lock(c);
+            if t < n - 1 {
+                let own = &plan.send[plan.ranges[c].clone()];
+                for (o, s) in dst.chunks_mut(piece.len()).zip(own.chunks(piece.len())) {
+                    let p = &mut piece[..o.len()];
+                    left.read_exact(bytemuck::cast_slice_mut(p))?;
+                    for ((o, s), p) in o.iter_mut().zip(s).zip(p.iter()) {
+                        *o = s + p;
+                    }
+                }
+            } else {
+                left.read_exact(bytemuck::cast_slice_mut(&mut dst[..]))?;
+            }
+            drop(dst);
+            let _ = received_tx.send(());
+        }
+        Ok(())
+    }
+
+    /// A failed receive said as what it is, naming the left neighbour.
+    fn receive_error(&self, e: std::io::Error) -> anyhow::Error {
+        let e = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                anyhow!("the connection was closed (did that rank end?)")
+            }
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                anyhow!("nothing arrived for {} s", 2 * self.timeout_s)
+            }
+            _ => anyhow!(e),
+        };
+        e.context(format!(
+            "rank {}: receiving from {} in the gradient ring",
+            self.rank, self.left_name
+        ))
+    }
+}
+
+/// One ring sum's chunks and schedule. Step t sends chunk (rank - t) and receives chunk
+/// (rank - t - 1), mod n: the first n - 1 steps reduce (after them chunk rank + 1 is complete
+/// here), the last n - 1 gather. The two sides take turns on each chunk: the sender reads
+/// what the receiver wrote a step before, and the receiver, which can run up to n - 1 steps
+/// ahead, overwrites a chunk only after the sender has sent its old value (two channels
+/// count the steps done). Each chunk of the output sits behind its own lock, held by one
+/// side at a time.
+struct RingSum<'a> {
+    send: &'a [f32],
+    ranges: Vec<std::ops::Range<usize>>,
+    chunks: Vec<Mutex<&'a mut [f32]>>,
+    rank: usize,
+    n: usize,
+    steps: usize,
+}
+
+impl<'a> RingSum<'a> {
+    fn new(send: &'a [f32], out: &'a mut [f32], rank: usize, n: usize) -> Self {
+        let ranges: Vec<std::ops::Range<usize>> = (0..n).map(|c| chunk(send.len(), n, c)).collect();
+        let mut rest = out;
+        let mut chunks = Vec::with_capacity(n);
+        for c in &ranges {
+            let (this, tail) = rest.split_at_mut(c.len());
+            chunks.push(Mutex::new(this));
+            rest = tail;
+        }
+        RingSum {
+            send,
+            ranges,
+            chunks,
+            rank,
+            n,
+            steps: 2 * (n - 1),
+        }
+    }
+
+    // (t + 1 <= steps < 2n, so adding 2n keeps the differences non-negative.)
+    fn sent_at(&self, t: usize) -> usize {
+        (self.rank + 2 * self.n - t) % self.n
+    }
+
+    fn received_at(&self, t: usize) -> usize {
+        (self.rank + 2 * self.n - t - 1) % self.n
+    }
+
+    fn lock(&self, c: usize) -> std::sync::MutexGuard<'_, &'a mut [f32]> {
+        self.chunks[c].lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -109,57 +109,78 @@ pub fn split_files(
 ) -> Result<Vec<String>> {
     let configs = readme.map(card_configs).transpose()?.unwrap_or_default();
     let files: Vec<&String> = listing.iter().filter(|f| is_data_file(f)).collect();
-    if !configs.is_empty() {
-        let names: Vec<&str> = configs.iter().map(|c| c.name.as_str()).collect();
-        let chosen = if config.is_empty() {
-            configs
-                .iter()
-                .find(|c| c.default)
-                .or_else(|| configs.iter().find(|c| c.name == "default"))
-                .or_else(|| (configs.len() == 1).then(|| &configs[0]))
-                .with_context(|| {
-                    format!(
-                        "the data set has several configs: choose one with data.dataset_config ({})",
-                        names.join(", ")
-                    )
-                })?
-        } else {
-            configs.iter().find(|c| c.name == config).with_context(|| {
+    if configs.is_empty() {
+        directory_split_files(files, config, split)
+    } else {
+        card_split_files(&configs, files, config, split)
+    }
+}
+
+/// The config named (or, unnamed, the card's default or only one).
+fn choose_config<'c>(configs: &'c [CardConfig], config: &str) -> Result<&'c CardConfig> {
+    let names: Vec<&str> = configs.iter().map(|c| c.name.as_str()).collect();
+    if config.is_empty() {
+        configs
+            .iter()
+            .find(|c| c.default)
+            .or_else(|| configs.iter().find(|c| c.name == "default"))
+            .or_else(|| (configs.len() == 1).then(|| &configs[0]))
+            .with_context(|| {
                 format!(
-                    "no config {config:?} in the data set (it has {})",
+                    "the data set has several configs: choose one with data.dataset_config ({})",
                     names.join(", ")
                 )
-            })?
-        };
-        let Some((_, patterns)) = chosen.data_files.iter().find(|(s, _)| s == split) else {
-            bail!(
-                "config {:?} has no split {split:?} (it has {})",
-                chosen.name,
-                chosen
-                    .data_files
-                    .iter()
-                    .map(|(s, _)| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        };
-        let mut set = GlobSetBuilder::new();
-        for p in patterns {
-            set.add(
-                GlobBuilder::new(p)
-                    .literal_separator(true)
-                    .build()
-                    .with_context(|| format!("data_files pattern {p:?}"))?,
-            );
-        }
-        let set = set.build()?;
-        return Ok(files
-            .into_iter()
-            .filter(|f| set.is_match(f.as_str()))
-            .cloned()
-            .collect());
+            })
+    } else {
+        configs.iter().find(|c| c.name == config).with_context(|| {
+            format!(
+                "no config {config:?} in the data set (it has {})",
+                names.join(", ")
+            )
+        })
     }
-    // No card configs: a config is a directory of the repository.
+}
+
+/// The files the card's `configs` give the split, by their glob patterns.
+fn card_split_files(
+    configs: &[CardConfig],
+    files: Vec<&String>,
+    config: &str,
+    split: &str,
+) -> Result<Vec<String>> {
+    let chosen = choose_config(configs, config)?;
+    let Some((_, patterns)) = chosen.data_files.iter().find(|(s, _)| s == split) else {
+        bail!(
+            "config {:?} has no split {split:?} (it has {})",
+            chosen.name,
+            chosen
+                .data_files
+                .iter()
+                .map(|(s, _)| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    };
+    let mut set = GlobSetBuilder::new();
+    for p in patterns {
+        set.add(
+            GlobBuilder::new(p)
+                .literal_separator(true)
+                .build()
+                .with_context(|| format!("data_files pattern {p:?}"))?,
+        );
+    }
+    let set = set.build()?;
+    Ok(files
+        .into_iter()
+        .filter(|f| set.is_match(f.as_str()))
+        .cloned()
+        .collect())
+}
+
+/// Without card configs: a config is a directory of the repository, and a split is the files
+/// whose names say it (all files are the train split where no name says any split).
+fn directory_split_files(files: Vec<&String>, config: &str, split: &str) -> Result<Vec<String>> {
     let in_config: Vec<&String> = match config {
         "" | "default" => files,
         c => {
@@ -180,7 +201,6 @@ pub fn split_files(
         .iter()
         .any(|f| standard.iter().chain([&split]).any(|s| named(f, s)));
     if !any_named {
-        // No file names a split: everything is the train split.
         return Ok(if split == "train" {
             in_config.into_iter().cloned().collect()
         } else {

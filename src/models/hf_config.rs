@@ -401,88 +401,9 @@ impl HfConfig {
         let common: CommonKeys = serde_json::from_value(raw.clone())?;
         let mut cfg = match model_type.as_str() {
             "bert" | "roberta" | "xlm-roberta" | "electra" => {
-                let arch = match model_type.as_str() {
-                    "bert" => Arch::Bert,
-                    "roberta" => Arch::Roberta,
-                    "xlm-roberta" => Arch::XlmRoberta,
-                    _ => Arch::Electra,
-                };
-                let pad_default = if matches!(arch, Arch::Bert | Arch::Electra) {
-                    0
-                } else {
-                    1
-                };
-                let c: BertKeys = if arch == Arch::Electra {
-                    // ElectraConfig's defaults differ from BERT's: keys not given take them.
-                    let mut keys = serde_json::json!({
-                        "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
-                        "embedding_size": 128,
-                    });
-                    if let (Some(k), Some(given)) = (keys.as_object_mut(), raw.as_object()) {
-                        k.extend(given.clone());
-                    }
-                    serde_json::from_value(keys)?
-                } else {
-                    serde_json::from_value(raw.clone())?
-                };
-                if c.position_embedding_type != "absolute" {
-                    bail!(
-                        "position_embedding_type {:?} is not supported (only \"absolute\")",
-                        c.position_embedding_type
-                    );
-                }
-                HfConfig {
-                    arch,
-                    vocab_size: c.vocab_size,
-                    hidden_size: c.hidden_size,
-                    embedding_size: c.embedding_size.unwrap_or(c.hidden_size),
-                    num_layers: c.num_hidden_layers,
-                    num_heads: c.num_attention_heads,
-                    intermediate_size: c.intermediate_size,
-                    activation: Activation::parse(&c.hidden_act)?,
-                    hidden_dropout: c.hidden_dropout_prob,
-                    attention_dropout: c.attention_probs_dropout_prob,
-                    max_position_embeddings: c.max_position_embeddings,
-                    type_vocab_size: c.type_vocab_size,
-                    layer_norm_eps: c.layer_norm_eps,
-                    pad_token_id: common.pad_token_id.unwrap_or(pad_default),
-                    initializer_range: c.initializer_range,
-                    classifier_dropout: c.classifier_dropout.unwrap_or(c.hidden_dropout_prob),
-                    qa_dropout: 0.0,
-                    sinusoidal_pos_embds: false,
-                    tie_word_embeddings: true,
-                    id2label: BTreeMap::new(),
-                    problem_type: None,
-                    ..family_defaults(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
-                }
+                bert_config(&model_type, &raw, &common)?
             }
-            "distilbert" => {
-                let c: DistilBertKeys = serde_json::from_value(raw.clone())?;
-                HfConfig {
-                    arch: Arch::DistilBert,
-                    vocab_size: c.vocab_size,
-                    hidden_size: c.dim,
-                    num_layers: c.n_layers,
-                    num_heads: c.n_heads,
-                    intermediate_size: c.hidden_dim,
-                    activation: Activation::parse(&c.activation)?,
-                    hidden_dropout: c.dropout,
-                    attention_dropout: c.attention_dropout,
-                    max_position_embeddings: c.max_position_embeddings,
-                    type_vocab_size: 0,
-                    // Hard-coded in transformers' DistilBERT modules.
-                    layer_norm_eps: 1e-12,
-                    pad_token_id: common.pad_token_id.unwrap_or(0),
-                    initializer_range: c.initializer_range,
-                    classifier_dropout: c.seq_classif_dropout,
-                    qa_dropout: c.qa_dropout,
-                    sinusoidal_pos_embds: c.sinusoidal_pos_embds,
-                    tie_word_embeddings: true,
-                    id2label: BTreeMap::new(),
-                    problem_type: None,
-                    ..family_defaults(c.dim, c.n_heads, c.dropout)
-                }
-            }
+            "distilbert" => distilbert_config(serde_json::from_value(raw.clone())?, &common)?,
             "deberta-v2" => deberta_v2_config(serde_json::from_value(raw.clone())?, &common)?,
             "modernbert" => modernbert_config(serde_json::from_value(raw.clone())?, &common)?,
             "gpt2" => gpt2_config(serde_json::from_value(raw.clone())?)?,
@@ -507,31 +428,7 @@ impl HfConfig {
                 | Arch::Gpt2
         ));
         if cfg.arch.is_decoder() {
-            // A key left out means the family's default; a null means none.
-            let (bos_default, eos_default) = match cfg.arch {
-                Arch::Gpt2 => (Some(50256), Some(50256)),
-                Arch::Llama | Arch::Mistral => (Some(1), Some(2)),
-                _ => (None, None),
-            };
-            cfg.bos_token_id = match raw.get("bos_token_id") {
-                None => bos_default,
-                Some(_) => common.bos_token_id,
-            };
-            cfg.eos_token_ids = match &common.eos_token_id {
-                _ if raw.get("eos_token_id").is_none() => eos_default.into_iter().collect(),
-                Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
-                Some(serde_json::Value::Array(ids)) => {
-                    ids.iter().filter_map(|v| v.as_i64()).collect()
-                }
-                _ => Vec::new(),
-            };
-            // Batches of a decoder without a pad token are padded with end-of-sequence (as
-            // transformers' examples set `tokenizer.pad_token = tokenizer.eos_token`), else 0.
-            cfg.has_pad_token = common.pad_token_id.is_some();
-            cfg.pad_token_id = common
-                .pad_token_id
-                .or(cfg.eos_token_ids.first().copied())
-                .unwrap_or(0);
+            decoder_tokens(&mut cfg, &raw, &common);
         }
         cfg.problem_type = common
             .problem_type
@@ -637,6 +534,119 @@ fn family_defaults(hidden: i64, heads: i64, dropout: f64) -> HfConfig {
         modernbert: None,
         raw: serde_json::Value::Null,
     }
+}
+
+/// BertConfig, RobertaConfig, XLMRobertaConfig and ElectraConfig.
+fn bert_config(model_type: &str, raw: &serde_json::Value, common: &CommonKeys) -> Result<HfConfig> {
+    let arch = match model_type {
+        "bert" => Arch::Bert,
+        "roberta" => Arch::Roberta,
+        "xlm-roberta" => Arch::XlmRoberta,
+        _ => Arch::Electra,
+    };
+    let pad_default = if matches!(arch, Arch::Bert | Arch::Electra) {
+        0
+    } else {
+        1
+    };
+    let c: BertKeys = if arch == Arch::Electra {
+        // ElectraConfig's defaults differ from BERT's: keys not given take them.
+        let mut keys = serde_json::json!({
+            "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
+            "embedding_size": 128,
+        });
+        if let (Some(k), Some(given)) = (keys.as_object_mut(), raw.as_object()) {
+            k.extend(given.clone());
+        }
+        serde_json::from_value(keys)?
+    } else {
+        serde_json::from_value(raw.clone())?
+    };
+    if c.position_embedding_type != "absolute" {
+        bail!(
+            "position_embedding_type {:?} is not supported (only \"absolute\")",
+            c.position_embedding_type
+        );
+    }
+    Ok(HfConfig {
+        arch,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        embedding_size: c.embedding_size.unwrap_or(c.hidden_size),
+        num_layers: c.num_hidden_layers,
+        num_heads: c.num_attention_heads,
+        intermediate_size: c.intermediate_size,
+        activation: Activation::parse(&c.hidden_act)?,
+        hidden_dropout: c.hidden_dropout_prob,
+        attention_dropout: c.attention_probs_dropout_prob,
+        max_position_embeddings: c.max_position_embeddings,
+        type_vocab_size: c.type_vocab_size,
+        layer_norm_eps: c.layer_norm_eps,
+        pad_token_id: common.pad_token_id.unwrap_or(pad_default),
+        initializer_range: c.initializer_range,
+        classifier_dropout: c.classifier_dropout.unwrap_or(c.hidden_dropout_prob),
+        qa_dropout: 0.0,
+        sinusoidal_pos_embds: false,
+        tie_word_embeddings: true,
+        id2label: BTreeMap::new(),
+        problem_type: None,
+        ..family_defaults(c.hidden_size, c.num_attention_heads, c.hidden_dropout_prob)
+    })
+}
+
+/// DistilBertConfig.
+fn distilbert_config(c: DistilBertKeys, common: &CommonKeys) -> Result<HfConfig> {
+    Ok(HfConfig {
+        arch: Arch::DistilBert,
+        vocab_size: c.vocab_size,
+        hidden_size: c.dim,
+        num_layers: c.n_layers,
+        num_heads: c.n_heads,
+        intermediate_size: c.hidden_dim,
+        activation: Activation::parse(&c.activation)?,
+        hidden_dropout: c.dropout,
+        attention_dropout: c.attention_dropout,
+        max_position_embeddings: c.max_position_embeddings,
+        type_vocab_size: 0,
+        // Hard-coded in transformers' DistilBERT modules.
+        layer_norm_eps: 1e-12,
+        pad_token_id: common.pad_token_id.unwrap_or(0),
+        initializer_range: c.initializer_range,
+        classifier_dropout: c.seq_classif_dropout,
+        qa_dropout: c.qa_dropout,
+        sinusoidal_pos_embds: c.sinusoidal_pos_embds,
+        tie_word_embeddings: true,
+        id2label: BTreeMap::new(),
+        problem_type: None,
+        ..family_defaults(c.dim, c.n_heads, c.dropout)
+    })
+}
+
+/// A decoder's begin and end tokens, and what pads its batches.
+fn decoder_tokens(cfg: &mut HfConfig, raw: &serde_json::Value, common: &CommonKeys) {
+    // A key left out means the family's default; a null means none.
+    let (bos_default, eos_default) = match cfg.arch {
+        Arch::Gpt2 => (Some(50256), Some(50256)),
+        Arch::Llama | Arch::Mistral => (Some(1), Some(2)),
+        _ => (None, None),
+    };
+    cfg.bos_token_id = match raw.get("bos_token_id") {
+        None => bos_default,
+        Some(_) => common.bos_token_id,
+    };
+    cfg.eos_token_ids = match &common.eos_token_id {
+        _ if raw.get("eos_token_id").is_none() => eos_default.into_iter().collect(),
+        Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
+        Some(serde_json::Value::Array(ids)) => ids.iter().filter_map(|v| v.as_i64()).collect(),
+        _ => Vec::new(),
+    };
+    // Batches of a decoder without a pad token are padded with end-of-sequence (as
+    // transformers' examples set `tokenizer.pad_token = tokenizer.eos_token`), else 0.
+    cfg.has_pad_token = common.pad_token_id.is_some();
+    cfg.pad_token_id = common
+        .pad_token_id
+        .or(cfg.eos_token_ids.first().copied())
+        .unwrap_or(0);
 }
 
 /// `DebertaV2Config` (its defaults for keys left out).

@@ -75,45 +75,8 @@ pub fn read_adapter(dir: &Path) -> Result<SavedAdapter> {
         .with_context(|| format!("cannot read {}", path.display()))?;
     let c: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    refuse_unsupported(&c, &path)?;
     let at = |key: &str| format!("{}: {key}", path.display());
-    if c.get("peft_type").and_then(|v| v.as_str()) != Some("LORA") {
-        bail!(
-            "{}: only LoRA adapters (peft_type \"LORA\") are supported",
-            path.display()
-        );
-    }
-    for (key, off) in [("use_dora", false), ("use_rslora", false)] {
-        if c.get(key).and_then(|v| v.as_bool()).unwrap_or(off) != off {
-            bail!("{} is not supported", at(key));
-        }
-    }
-    // Settings that change the arithmetic, which we do not implement.
-    for key in ["lora_bias", "use_qalora"] {
-        if c.get(key).and_then(|v| v.as_bool()).unwrap_or(false) {
-            bail!("{} is not supported", at(key));
-        }
-    }
-    for key in ["rank_pattern", "alpha_pattern"] {
-        if c.get(key)
-            .and_then(|v| v.as_object())
-            .is_some_and(|m| !m.is_empty())
-        {
-            bail!("{} (per-layer ranks or alphas) is not supported", at(key));
-        }
-    }
-    for key in [
-        "layers_to_transform",
-        "exclude_modules",
-        "target_parameters",
-        "modules_to_save",
-    ] {
-        if c.get(key).is_some_and(|v| !v.is_null()) {
-            bail!("{} is not supported", at(key));
-        }
-    }
-    if c.get("bias").and_then(|v| v.as_str()).unwrap_or("none") != "none" {
-        bail!("{}: only bias \"none\" is supported", path.display());
-    }
     let r = c
         .get("r")
         .and_then(|v| v.as_i64())
@@ -162,6 +125,51 @@ pub fn read_adapter(dir: &Path) -> Result<SavedAdapter> {
         tensors,
         dir: dir.to_path_buf(),
     })
+}
+
+/// PEFT settings that change the arithmetic, which sprtrain does not implement, refused by
+/// name.
+fn refuse_unsupported(c: &serde_json::Value, path: &Path) -> Result<()> {
+    let at = |key: &str| format!("{}: {key}", path.display());
+    if c.get("peft_type").and_then(|v| v.as_str()) != Some("LORA") {
+        bail!(
+            "{}: only LoRA adapters (peft_type \"LORA\") are supported",
+            path.display()
+        );
+    }
+    for (key, off) in [("use_dora", false), ("use_rslora", false)] {
+        if c.get(key).and_then(|v| v.as_bool()).unwrap_or(off) != off {
+            bail!("{} is not supported", at(key));
+        }
+    }
+    // Settings that change the arithmetic, which we do not implement.
+    for key in ["lora_bias", "use_qalora"] {
+        if c.get(key).and_then(|v| v.as_bool()).unwrap_or(false) {
+            bail!("{} is not supported", at(key));
+        }
+    }
+    for key in ["rank_pattern", "alpha_pattern"] {
+        if c.get(key)
+            .and_then(|v| v.as_object())
+            .is_some_and(|m| !m.is_empty())
+        {
+            bail!("{} (per-layer ranks or alphas) is not supported", at(key));
+        }
+    }
+    for key in [
+        "layers_to_transform",
+        "exclude_modules",
+        "target_parameters",
+        "modules_to_save",
+    ] {
+        if c.get(key).is_some_and(|v| !v.is_null()) {
+            bail!("{} is not supported", at(key));
+        }
+    }
+    if c.get("bias").and_then(|v| v.as_str()).unwrap_or("none") != "none" {
+        bail!("{}: only bias \"none\" is supported", path.display());
+    }
+    Ok(())
 }
 
 /// Copies `saved`'s tensors into the model's adapter variables: every adapter variable must be

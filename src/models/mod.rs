@@ -24,6 +24,7 @@ use bert::{BertEncoder, BertPooler};
 use deberta_v2::{ContextPooler, DebertaEncoder};
 use distilbert::DistilBertEncoder;
 use gpt2::Gpt2Model;
+use hf_config::ModernBertSettings;
 pub use hf_config::{Activation, Arch, HfConfig, ProblemType};
 pub use layers::KvCache;
 use layers::{activate, dropout, Embedding, LayerNorm, Linear, Positions};
@@ -276,235 +277,13 @@ pub struct TaskModel {
 }
 
 impl TaskModel {
-    /// Creates the variables under `root`, newly initialised as transformers initialises them.
+    /// Creates the variables under `root`, newly initialised as transformers initialises them
+    /// (the backbone's first, then the head's: the order of the draws).
     /// Load a checkpoint over them with [`weights::load_checkpoint`].
     pub fn new(root: &nn::Path, config: HfConfig, head: Head) -> Result<Self> {
-        let c = &config;
-        match (c.arch.is_decoder(), head) {
-            (true, Head::MaskedLm) => bail!(
-                "{} is a causal language model: it has no masked-LM head (model.task \"mlm\")",
-                c.arch.class_stem()
-            ),
-            (true, Head::TokenClassification) => bail!(
-                "{} is a causal language model: token classification (model.task \"token-cls\") needs an encoder",
-                c.arch.class_stem()
-            ),
-            (false, Head::CausalLm) => bail!(
-                "{} is an encoder: it has no causal-LM head (model.task \"causal-lm\" needs gpt2, llama, mistral, qwen2 or qwen3)",
-                c.arch.class_stem()
-            ),
-            _ => {}
-        }
-        let r = c.initializer_range;
-        let h = c.hidden_size;
-        let modernbert = || {
-            c.modernbert
-                .as_ref()
-                .context("a ModernBERT config without its settings")
-        };
-        // ModernBERT's task heads start with its prediction head.
-        let prediction_head = || -> Result<Option<PredictionHead>> {
-            Ok(match c.arch {
-                Arch::ModernBert => Some(PredictionHead::new(root / "head", c, modernbert()?)),
-                _ => None,
-            })
-        };
-        // Task models keep the backbone under `bert.` / `distilbert.` / `roberta.`.
-        let bb = if head == Head::Base {
-            root.clone()
-        } else {
-            root / c.arch.prefix()
-        };
-        let backbone = match c.arch {
-            Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => {
-                // Only BERT's classifier and the bare model use the pooler (add_pooling_layer);
-                // ELECTRA has none.
-                let pooled = c.arch != Arch::Electra
-                    && matches!(
-                        (c.arch, head),
-                        (Arch::Bert, Head::SequenceClassification) | (_, Head::Base)
-                    );
-                Backbone::Bert {
-                    encoder: BertEncoder::new(bb.clone(), c),
-                    pooler: pooled.then(|| BertPooler::new(&bb / "pooler", c)),
-                }
-            }
-            Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
-            Arch::ModernBert => Backbone::ModernBert(ModernBertModel::new(bb, c, modernbert()?)),
-            Arch::DebertaV2 => {
-                let d = c
-                    .deberta
-                    .as_ref()
-                    .context("a DeBERTa-v2 config without its settings")?;
-                Backbone::Deberta {
-                    encoder: DebertaEncoder::new(bb, c, d),
-                    pooler: (head == Head::SequenceClassification)
-                        .then(|| ContextPooler::new(root / "pooler", c, d)),
-                }
-            }
-            Arch::Gpt2 => Backbone::Gpt2(Gpt2Model::new(bb, c)),
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-                Backbone::Llama(LlamaModel::new(bb, c))
-            }
-        };
-        let n = c.num_labels() as i64;
-        let head_layers = match head {
-            Head::Base => HeadLayers::None,
-            Head::SequenceClassification => HeadLayers::Classifier(match c.arch {
-                Arch::Bert => ClassifierHead::Pooled {
-                    classifier: Linear::new(root / "classifier", h, n, r),
-                    dropout: c.classifier_dropout,
-                },
-                Arch::DistilBert => ClassifierHead::PreClassifier {
-                    pre_classifier: Linear::new(root / "pre_classifier", h, h, r),
-                    classifier: Linear::new(root / "classifier", h, n, r),
-                    dropout: c.classifier_dropout,
-                },
-                Arch::DebertaV2 => ClassifierHead::ContextPooled {
-                    classifier: Linear::new(root / "classifier", h, n, r),
-                    dropout: c.classifier_dropout,
-                },
-                Arch::ModernBert => ClassifierHead::ModernBert {
-                    head: PredictionHead::new(root / "head", c, modernbert()?),
-                    classifier: Linear::new(root / "classifier", h, n, r),
-                    dropout: c.classifier_dropout,
-                    mean_pooling: modernbert()?.mean_pooling,
-                },
-                Arch::Roberta | Arch::XlmRoberta | Arch::Electra => ClassifierHead::DenseOut {
-                    dense: Linear::new(root / "classifier" / "dense", h, h, r),
-                    out_proj: Linear::new(root / "classifier" / "out_proj", h, n, r),
-                    activation: if c.arch == Arch::Electra {
-                        Activation::Gelu
-                    } else {
-                        Activation::Tanh
-                    },
-                    dropout: c.classifier_dropout,
-                },
-                _ => ClassifierHead::LastToken {
-                    score: Linear::with_bias(root / "score", h, n, r, false),
-                    pad_token_id: c.pad_token_id,
-                },
-            }),
-            Head::TokenClassification => HeadLayers::TokenClassifier {
-                head: prediction_head()?,
-                classifier: Linear::new(root / "classifier", h, n, r),
-                // DistilBERT and DeBERTa drop out at their general rate; the others at the
-                // classifier's (ModernBERT: its classifier_dropout).
-                dropout: match c.arch {
-                    Arch::DistilBert | Arch::DebertaV2 => c.hidden_dropout,
-                    _ => c.classifier_dropout,
-                },
-            },
-            Head::CausalLm => HeadLayers::CausalLm {
-                untied: (!c.tie_word_embeddings).then(|| {
-                    layers::normal_var(&root.sub("lm_head"), "weight", &[c.vocab_size, h], r)
-                }),
-            },
-            Head::QuestionAnswering => HeadLayers::Qa {
-                head: prediction_head()?,
-                qa_outputs: Linear::new(
-                    root / if c.arch == Arch::ModernBert {
-                        "classifier"
-                    } else {
-                        "qa_outputs"
-                    },
-                    h,
-                    2,
-                    r,
-                ),
-                dropout: if c.arch == Arch::ModernBert {
-                    c.classifier_dropout
-                } else {
-                    c.qa_dropout
-                },
-            },
-            Head::MaskedLm => {
-                // (transform, its LayerNorm, owner of the bias, owner of an untied decoder weight)
-                let (dense, norm, bias, decoder, activation) = match c.arch {
-                    // DeBERTa-v2's `legacy` head is BERT's.
-                    Arch::Bert | Arch::DebertaV2 => {
-                        let p = root / "cls" / "predictions";
-                        (
-                            &p / "transform" / "dense",
-                            &p / "transform" / "LayerNorm",
-                            p.clone(),
-                            &p / "decoder",
-                            c.activation,
-                        )
-                    }
-                    Arch::DistilBert => {
-                        let proj = root / "vocab_projector";
-                        (
-                            root / "vocab_transform",
-                            root / "vocab_layer_norm",
-                            proj.clone(),
-                            proj,
-                            c.activation,
-                        )
-                    }
-                    Arch::Roberta | Arch::XlmRoberta => {
-                        let l = root / "lm_head";
-                        (
-                            &l / "dense",
-                            &l / "layer_norm",
-                            l.clone(),
-                            &l / "decoder",
-                            Activation::Gelu,
-                        )
-                    }
-                    Arch::ModernBert => {
-                        let d = root / "decoder";
-                        (
-                            root / "head" / "dense",
-                            root / "head" / "norm",
-                            d.clone(),
-                            d,
-                            modernbert()?.classifier_activation,
-                        )
-                    }
-                    Arch::Electra => {
-                        let g = root / "generator_predictions";
-                        let lm = root / "generator_lm_head";
-                        (
-                            &g / "dense",
-                            &g / "LayerNorm",
-                            lm.clone(),
-                            lm,
-                            Activation::Gelu,
-                        )
-                    }
-                    _ => unreachable!("decoders were refused a masked-LM head above"),
-                };
-                let (v, e) = (c.vocab_size, c.embedding_size);
-                let head_bias = bias.zeros("bias", &[v]);
-                let (untied_decoder, bias) = if c.tie_word_embeddings {
-                    (None, head_bias)
-                } else {
-                    let weight = layers::normal_var(&decoder, "weight", &[v, e], r);
-                    // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head
-                    // bias; ELECTRA's is `generator_lm_head`.
-                    let own_bias =
-                        if matches!(c.arch, Arch::DistilBert | Arch::Electra | Arch::ModernBert) {
-                            head_bias
-                        } else {
-                            decoder.zeros("bias", &[v])
-                        };
-                    (Some(weight), own_bias)
-                };
-                // ModernBERT's head has no biases by default.
-                let (dense_bias, norm_bias) = match &c.modernbert {
-                    Some(m) => (m.classifier_bias, m.norm_bias),
-                    None => (true, true),
-                };
-                HeadLayers::Mlm(MlmHead {
-                    dense: Linear::with_bias(dense, h, e, r, dense_bias),
-                    norm: LayerNorm::with_bias(norm, e, c.layer_norm_eps, norm_bias),
-                    untied_decoder,
-                    bias,
-                    activation,
-                })
-            }
-        };
+        refuse_head(&config, head)?;
+        let backbone = backbone(root, &config, head)?;
+        let head_layers = head_layers(root, &config, head)?;
         Ok(TaskModel {
             config,
             head,
@@ -643,82 +422,10 @@ impl TaskModel {
         train: bool,
         boundaries: Option<&mut Vec<Boundary>>,
     ) -> ModelOutput {
-        let read = self.positions_read();
-        let (hidden, pooled) = match &self.backbone {
-            Backbone::Bert { encoder, pooler } => {
-                let hidden = encoder.forward_staged(inputs, train, boundaries, read);
-                let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
-                (hidden, pooled)
-            }
-            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries, read), None),
-            Backbone::ModernBert(m) => (m.forward_staged(inputs, train, boundaries), None),
-            Backbone::Deberta { encoder, pooler } => {
-                let hidden = encoder.forward_staged(inputs, train, boundaries);
-                let pooled = pooler.as_ref().map(|p| p.forward(&hidden, train));
-                (hidden, pooled)
-            }
-            Backbone::Gpt2(m) => (m.forward_staged(inputs, train, boundaries), None),
-            Backbone::Llama(m) => (m.forward_staged(inputs, train, boundaries), None),
-        };
+        let (hidden, pooled) = self.backbone_forward(inputs, train, boundaries);
         let logits = match &self.head_layers {
             HeadLayers::None => hidden.shallow_clone(),
-            HeadLayers::Classifier(head) => {
-                let first = hidden.select(1, 0); // (B, C)
-                match head {
-                    ClassifierHead::Pooled {
-                        classifier,
-                        dropout: p,
-                    }
-                    | ClassifierHead::ContextPooled {
-                        classifier,
-                        dropout: p,
-                    } => {
-                        let pooled = pooled.expect("pooled classification builds its pooler");
-                        classifier.forward(&dropout(&pooled, *p, train))
-                    }
-                    ClassifierHead::PreClassifier {
-                        pre_classifier,
-                        classifier,
-                        dropout: p,
-                    } => {
-                        let x = pre_classifier.forward(&first).relu();
-                        classifier.forward(&dropout(&x, *p, train))
-                    }
-                    ClassifierHead::DenseOut {
-                        dense,
-                        out_proj,
-                        activation,
-                        dropout: p,
-                    } => {
-                        let x = activate(*activation, &dense.forward(&dropout(&first, *p, train)));
-                        out_proj.forward(&dropout(&x, *p, train))
-                    }
-                    ClassifierHead::ModernBert {
-                        head,
-                        classifier,
-                        dropout: p,
-                        mean_pooling,
-                    } => {
-                        let pooled =
-                            modernbert::pool(&hidden, &inputs.attention_mask, *mean_pooling);
-                        classifier.forward(&dropout(&head.forward(&pooled), *p, train))
-                    }
-                    ClassifierHead::LastToken {
-                        score,
-                        pad_token_id,
-                    } => {
-                        // Scoring every position then picking one, as transformers does.
-                        let logits = score.forward(&hidden); // (B, T, L)
-                        let ids = &inputs.input_ids;
-                        let t = ids.size()[1];
-                        let positions = Tensor::arange(t, (tch::Kind::Int64, ids.device()));
-                        let last = (positions * ids.ne(*pad_token_id).to_kind(tch::Kind::Int64))
-                            .argmax(-1, false); // (B)
-                        let rows = Tensor::arange(ids.size()[0], (tch::Kind::Int64, ids.device()));
-                        logits.index(&[Some(rows), Some(last)])
-                    }
-                }
-            }
+            HeadLayers::Classifier(head) => head.forward(&hidden, pooled, inputs, train),
             HeadLayers::TokenClassifier {
                 head,
                 classifier,
@@ -747,6 +454,33 @@ impl TaskModel {
             }
         };
         ModelOutput { hidden, logits }
+    }
+
+    /// The backbone's last hidden state (B, T, C), and the pooled first token (B, C) where the
+    /// model has a pooler.
+    fn backbone_forward(
+        &self,
+        inputs: &EncoderInputs,
+        train: bool,
+        boundaries: Option<&mut Vec<Boundary>>,
+    ) -> (Tensor, Option<Tensor>) {
+        let read = self.positions_read();
+        match &self.backbone {
+            Backbone::Bert { encoder, pooler } => {
+                let hidden = encoder.forward_staged(inputs, train, boundaries, read);
+                let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
+                (hidden, pooled)
+            }
+            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries, read), None),
+            Backbone::ModernBert(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::Deberta { encoder, pooler } => {
+                let hidden = encoder.forward_staged(inputs, train, boundaries);
+                let pooled = pooler.as_ref().map(|p| p.forward(&hidden, train));
+                (hidden, pooled)
+            }
+            Backbone::Gpt2(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::Llama(m) => (m.forward_staged(inputs, train, boundaries), None),
+        }
     }
 
     /// An empty key/value cache for [`TaskModel::forward_cached`].
@@ -843,6 +577,325 @@ impl TaskModel {
             ),
         })
     }
+}
+
+impl ClassifierHead {
+    /// Logits (B, L) from the last hidden state (B, T, C) and, for pooled heads, the pooler's
+    /// output.
+    fn forward(
+        &self,
+        hidden: &Tensor,
+        pooled: Option<Tensor>,
+        inputs: &EncoderInputs,
+        train: bool,
+    ) -> Tensor {
+        let first = hidden.select(1, 0); // (B, C)
+        match self {
+            ClassifierHead::Pooled {
+                classifier,
+                dropout: p,
+            }
+            | ClassifierHead::ContextPooled {
+                classifier,
+                dropout: p,
+            } => {
+                let pooled = pooled.expect("pooled classification builds its pooler");
+                classifier.forward(&dropout(&pooled, *p, train))
+            }
+            ClassifierHead::PreClassifier {
+                pre_classifier,
+                classifier,
+                dropout: p,
+            } => {
+                let x = pre_classifier.forward(&first).relu();
+                classifier.forward(&dropout(&x, *p, train))
+            }
+            ClassifierHead::DenseOut {
+                dense,
+                out_proj,
+                activation,
+                dropout: p,
+            } => {
+                let x = activate(*activation, &dense.forward(&dropout(&first, *p, train)));
+                out_proj.forward(&dropout(&x, *p, train))
+            }
+            ClassifierHead::ModernBert {
+                head,
+                classifier,
+                dropout: p,
+                mean_pooling,
+            } => {
+                let pooled = modernbert::pool(hidden, &inputs.attention_mask, *mean_pooling);
+                classifier.forward(&dropout(&head.forward(&pooled), *p, train))
+            }
+            ClassifierHead::LastToken {
+                score,
+                pad_token_id,
+            } => {
+                // Scoring every position then picking one, as transformers does.
+                let logits = score.forward(hidden); // (B, T, L)
+                let ids = &inputs.input_ids;
+                let t = ids.size()[1];
+                let positions = Tensor::arange(t, (tch::Kind::Int64, ids.device()));
+                let last =
+                    (positions * ids.ne(*pad_token_id).to_kind(tch::Kind::Int64)).argmax(-1, false); // (B)
+                let rows = Tensor::arange(ids.size()[0], (tch::Kind::Int64, ids.device()));
+                logits.index(&[Some(rows), Some(last)])
+            }
+        }
+    }
+}
+
+/// A head the architecture does not have is refused before any variable is made.
+fn refuse_head(c: &HfConfig, head: Head) -> Result<()> {
+    match (c.arch.is_decoder(), head) {
+        (true, Head::MaskedLm) => bail!(
+            "{} is a causal language model: it has no masked-LM head (model.task \"mlm\")",
+            c.arch.class_stem()
+        ),
+        (true, Head::TokenClassification) => bail!(
+            "{} is a causal language model: token classification (model.task \"token-cls\") needs an encoder",
+            c.arch.class_stem()
+        ),
+        (false, Head::CausalLm) => bail!(
+            "{} is an encoder: it has no causal-LM head (model.task \"causal-lm\" needs gpt2, llama, mistral, qwen2 or qwen3)",
+            c.arch.class_stem()
+        ),
+        _ => Ok(()),
+    }
+}
+
+fn modernbert_settings(c: &HfConfig) -> Result<&ModernBertSettings> {
+    c.modernbert
+        .as_ref()
+        .context("a ModernBERT config without its settings")
+}
+
+/// ModernBERT's task heads start with its prediction head; the others have none.
+fn prediction_head(root: &nn::Path, c: &HfConfig) -> Result<Option<PredictionHead>> {
+    Ok(match c.arch {
+        Arch::ModernBert => Some(PredictionHead::new(
+            root / "head",
+            c,
+            modernbert_settings(c)?,
+        )),
+        _ => None,
+    })
+}
+
+/// The backbone's variables: under `root` for the bare model, under `bert.` / `distilbert.` /
+/// `roberta.` ... for a task model.
+fn backbone(root: &nn::Path, c: &HfConfig, head: Head) -> Result<Backbone> {
+    let bb = if head == Head::Base {
+        root.clone()
+    } else {
+        root / c.arch.prefix()
+    };
+    Ok(match c.arch {
+        Arch::Bert | Arch::Roberta | Arch::XlmRoberta | Arch::Electra => {
+            // Only BERT's classifier and the bare model use the pooler (add_pooling_layer);
+            // ELECTRA has none.
+            let pooled = c.arch != Arch::Electra
+                && matches!(
+                    (c.arch, head),
+                    (Arch::Bert, Head::SequenceClassification) | (_, Head::Base)
+                );
+            Backbone::Bert {
+                encoder: BertEncoder::new(bb.clone(), c),
+                pooler: pooled.then(|| BertPooler::new(&bb / "pooler", c)),
+            }
+        }
+        Arch::DistilBert => Backbone::DistilBert(DistilBertEncoder::new(bb, c)),
+        Arch::ModernBert => {
+            Backbone::ModernBert(ModernBertModel::new(bb, c, modernbert_settings(c)?))
+        }
+        Arch::DebertaV2 => {
+            let d = c
+                .deberta
+                .as_ref()
+                .context("a DeBERTa-v2 config without its settings")?;
+            Backbone::Deberta {
+                encoder: DebertaEncoder::new(bb, c, d),
+                pooler: (head == Head::SequenceClassification)
+                    .then(|| ContextPooler::new(root / "pooler", c, d)),
+            }
+        }
+        Arch::Gpt2 => Backbone::Gpt2(Gpt2Model::new(bb, c)),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            Backbone::Llama(LlamaModel::new(bb, c))
+        }
+    })
+}
+
+/// The head's variables, named as the transformers class names them.
+fn head_layers(root: &nn::Path, c: &HfConfig, head: Head) -> Result<HeadLayers> {
+    let (h, r) = (c.hidden_size, c.initializer_range);
+    let modernbert = c.arch == Arch::ModernBert;
+    Ok(match head {
+        Head::Base => HeadLayers::None,
+        Head::SequenceClassification => HeadLayers::Classifier(classifier_head(root, c)?),
+        Head::TokenClassification => HeadLayers::TokenClassifier {
+            head: prediction_head(root, c)?,
+            classifier: Linear::new(root / "classifier", h, c.num_labels() as i64, r),
+            // DistilBERT and DeBERTa drop out at their general rate; the others at the
+            // classifier's (ModernBERT: its classifier_dropout).
+            dropout: match c.arch {
+                Arch::DistilBert | Arch::DebertaV2 => c.hidden_dropout,
+                _ => c.classifier_dropout,
+            },
+        },
+        Head::CausalLm => HeadLayers::CausalLm {
+            untied: (!c.tie_word_embeddings)
+                .then(|| layers::normal_var(&root.sub("lm_head"), "weight", &[c.vocab_size, h], r)),
+        },
+        Head::QuestionAnswering => HeadLayers::Qa {
+            head: prediction_head(root, c)?,
+            qa_outputs: Linear::new(
+                root / if modernbert {
+                    "classifier"
+                } else {
+                    "qa_outputs"
+                },
+                h,
+                2,
+                r,
+            ),
+            dropout: if modernbert {
+                c.classifier_dropout
+            } else {
+                c.qa_dropout
+            },
+        },
+        Head::MaskedLm => HeadLayers::Mlm(mlm_head(root, c)?),
+    })
+}
+
+/// `*ForSequenceClassification`'s head of each family.
+fn classifier_head(root: &nn::Path, c: &HfConfig) -> Result<ClassifierHead> {
+    let (h, r, n) = (c.hidden_size, c.initializer_range, c.num_labels() as i64);
+    Ok(match c.arch {
+        Arch::Bert => ClassifierHead::Pooled {
+            classifier: Linear::new(root / "classifier", h, n, r),
+            dropout: c.classifier_dropout,
+        },
+        Arch::DistilBert => ClassifierHead::PreClassifier {
+            pre_classifier: Linear::new(root / "pre_classifier", h, h, r),
+            classifier: Linear::new(root / "classifier", h, n, r),
+            dropout: c.classifier_dropout,
+        },
+        Arch::DebertaV2 => ClassifierHead::ContextPooled {
+            classifier: Linear::new(root / "classifier", h, n, r),
+            dropout: c.classifier_dropout,
+        },
+        Arch::ModernBert => ClassifierHead::ModernBert {
+            head: PredictionHead::new(root / "head", c, modernbert_settings(c)?),
+            classifier: Linear::new(root / "classifier", h, n, r),
+            dropout: c.classifier_dropout,
+            mean_pooling: modernbert_settings(c)?.mean_pooling,
+        },
+        Arch::Roberta | Arch::XlmRoberta | Arch::Electra => ClassifierHead::DenseOut {
+            dense: Linear::new(root / "classifier" / "dense", h, h, r),
+            out_proj: Linear::new(root / "classifier" / "out_proj", h, n, r),
+            activation: if c.arch == Arch::Electra {
+                Activation::Gelu
+            } else {
+                Activation::Tanh
+            },
+            dropout: c.classifier_dropout,
+        },
+        _ => ClassifierHead::LastToken {
+            score: Linear::with_bias(root / "score", h, n, r, false),
+            pad_token_id: c.pad_token_id,
+        },
+    })
+}
+
+/// Where each family keeps its masked-LM head: (transform, its LayerNorm, owner of the bias,
+/// owner of an untied decoder weight, the transform's activation).
+fn mlm_paths<'a>(
+    root: &nn::Path<'a>,
+    c: &HfConfig,
+) -> Result<(
+    nn::Path<'a>,
+    nn::Path<'a>,
+    nn::Path<'a>,
+    nn::Path<'a>,
+    Activation,
+)> {
+    Ok(match c.arch {
+        // DeBERTa-v2's `legacy` head is BERT's.
+        Arch::Bert | Arch::DebertaV2 => {
+            let p = root / "cls" / "predictions";
+            (
+                &p / "transform" / "dense",
+                &p / "transform" / "LayerNorm",
+                p.clone(),
+                &p / "decoder",
+                c.activation,
+            )
+        }
+        Arch::DistilBert => {
+            let proj = root / "vocab_projector";
+            let (dense, norm) = (root / "vocab_transform", root / "vocab_layer_norm");
+            (dense, norm, proj.clone(), proj, c.activation)
+        }
+        Arch::Roberta | Arch::XlmRoberta => {
+            let l = root / "lm_head";
+            let (dense, norm) = (&l / "dense", &l / "layer_norm");
+            (dense, norm, l.clone(), &l / "decoder", Activation::Gelu)
+        }
+        Arch::ModernBert => {
+            let d = root / "decoder";
+            let (dense, norm) = (root / "head" / "dense", root / "head" / "norm");
+            let activation = modernbert_settings(c)?.classifier_activation;
+            (dense, norm, d.clone(), d, activation)
+        }
+        Arch::Electra => {
+            let g = root / "generator_predictions";
+            let lm = root / "generator_lm_head";
+            let (dense, norm) = (&g / "dense", &g / "LayerNorm");
+            (dense, norm, lm.clone(), lm, Activation::Gelu)
+        }
+        _ => bail!("{} has no masked-LM head", c.arch.class_stem()),
+    })
+}
+
+/// The masked-LM head: transform, LayerNorm, and a decoder tied to the word embeddings or its
+/// own.
+fn mlm_head(root: &nn::Path, c: &HfConfig) -> Result<MlmHead> {
+    let (dense, norm, bias, decoder, activation) = mlm_paths(root, c)?;
+    let (h, r, v, e) = (
+        c.hidden_size,
+        c.initializer_range,
+        c.vocab_size,
+        c.embedding_size,
+    );
+    let head_bias = bias.zeros("bias", &[v]);
+    let (untied_decoder, bias) = if c.tie_word_embeddings {
+        (None, head_bias)
+    } else {
+        let weight = layers::normal_var(&decoder, "weight", &[v, e], r);
+        // DistilBERT's decoder is `vocab_projector` itself, whose bias is the head bias;
+        // ELECTRA's is `generator_lm_head`.
+        let own_bias = if matches!(c.arch, Arch::DistilBert | Arch::Electra | Arch::ModernBert) {
+            head_bias
+        } else {
+            decoder.zeros("bias", &[v])
+        };
+        (Some(weight), own_bias)
+    };
+    // ModernBERT's head has no biases by default.
+    let (dense_bias, norm_bias) = match &c.modernbert {
+        Some(m) => (m.classifier_bias, m.norm_bias),
+        None => (true, true),
+    };
+    Ok(MlmHead {
+        dense: Linear::with_bias(dense, h, e, r, dense_bias),
+        norm: LayerNorm::with_bias(norm, e, c.layer_norm_eps, norm_bias),
+        untied_decoder,
+        bias,
+        activation,
+    })
 }
 
 /// The hidden state through ModernBERT's prediction head, where there is one.

@@ -186,33 +186,8 @@ pub fn load_checkpoint(
     model: &TaskModel,
     ckpt: Checkpoint,
 ) -> Result<LoadReport> {
-    let arch = model.config.arch;
-    let prefix = arch.prefix();
     let mut vars = vs.variables();
-    let model_prefixed = vars.keys().any(|k| k.starts_with(&format!("{prefix}.")));
-    let ckpt_prefixed = ckpt
-        .tensors
-        .keys()
-        .any(|k| k.starts_with(&format!("{prefix}.")));
-    let roots = arch.backbone_roots();
-    // Map checkpoint keys onto the model's naming (base <-> task model).
-    let rename = |key: &str| -> String {
-        match (model_prefixed, ckpt_prefixed) {
-            (true, false) if roots.iter().any(|r| key.split('.').next() == Some(*r)) => {
-                format!("{prefix}.{key}")
-            }
-            (false, true) => key
-                .strip_prefix(&format!("{prefix}."))
-                .unwrap_or(key)
-                .to_string(),
-            _ => key.to_string(),
-        }
-    };
-    let mut tensors: BTreeMap<String, (String, Tensor)> = BTreeMap::new();
-    for (key, tensor) in ckpt.tensors {
-        tensors.insert(rename(&key), (key, tensor));
-    }
-
+    let mut tensors = by_model_name(model, &vars, ckpt.tensors);
     let mut report = LoadReport::default();
     let mut names: Vec<String> = vars.keys().cloned().collect();
     names.sort();
@@ -239,23 +214,7 @@ pub fn load_checkpoint(
             .get(&orig)
             .map(|p| p.display().to_string())
             .unwrap_or_default();
-        if src.size() != var.size() {
-            bail!(
-                "{file}: tensor {orig} has shape {:?} but {} expects {:?} from config.json",
-                src.size(),
-                model.class_name(),
-                var.size()
-            );
-        }
-        if !src.is_floating_point() {
-            bail!(
-                "{file}: tensor {orig} has dtype {:?}, expected a floating-point type",
-                src.kind()
-            );
-        }
-        let kind = var.kind();
-        tch::no_grad(|| var.f_copy_(&src.to_kind(kind)))
-            .with_context(|| format!("{file}: cannot copy tensor {orig}"))?;
+        copy_checked(var, &src, &file, &orig, model)?;
         report.loaded += 1;
     }
     report.unused = tensors
@@ -265,6 +224,67 @@ pub fn load_checkpoint(
         .collect();
     report.unused.sort();
     Ok(report)
+}
+
+/// The checkpoint's tensors under the model's names (a bare model's checkpoint on a task
+/// model, or the reverse), each with its name in the file.
+fn by_model_name(
+    model: &TaskModel,
+    vars: &std::collections::HashMap<String, Tensor>,
+    ckpt_tensors: BTreeMap<String, Tensor>,
+) -> BTreeMap<String, (String, Tensor)> {
+    let arch = model.config.arch;
+    let prefix = arch.prefix();
+    let model_prefixed = vars.keys().any(|k| k.starts_with(&format!("{prefix}.")));
+    let ckpt_prefixed = ckpt_tensors
+        .keys()
+        .any(|k| k.starts_with(&format!("{prefix}.")));
+    let roots = arch.backbone_roots();
+    let rename = |key: &str| -> String {
+        match (model_prefixed, ckpt_prefixed) {
+            (true, false) if roots.iter().any(|r| key.split('.').next() == Some(*r)) => {
+                format!("{prefix}.{key}")
+            }
+            (false, true) => key
+                .strip_prefix(&format!("{prefix}."))
+                .unwrap_or(key)
+                .to_string(),
+            _ => key.to_string(),
+        }
+    };
+    ckpt_tensors
+        .into_iter()
+        .map(|(key, tensor)| (rename(&key), (key, tensor)))
+        .collect()
+}
+
+/// Copies `src` (tensor `orig` of `file`) into `var`, converting its dtype; a shape other than
+/// config.json's or a non-float tensor is an error naming both.
+fn copy_checked(
+    var: &mut Tensor,
+    src: &Tensor,
+    file: &str,
+    orig: &str,
+    model: &TaskModel,
+) -> Result<()> {
+    if src.size() != var.size() {
+        bail!(
+            "{file}: tensor {orig} has shape {:?} but {} expects {:?} from config.json",
+            src.size(),
+            model.class_name(),
+            var.size()
+        );
+    }
+    if !src.is_floating_point() {
+        bail!(
+            "{file}: tensor {orig} has dtype {:?}, expected a floating-point type",
+            src.kind()
+        );
+    }
+    let kind = var.kind();
+    tch::no_grad(|| var.f_copy_(&src.to_kind(kind)))
+        .with_context(|| format!("{file}: cannot copy tensor {orig}"))?;
+    Ok(())
 }
 
 #[cfg(test)]

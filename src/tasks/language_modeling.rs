@@ -196,6 +196,34 @@ impl LmData {
             stride,
         })
     }
+
+    /// The tokenizer as this data wants it: masked LM's sequences keep their closing special
+    /// token when truncated, as run_mlm.py's truncating tokenizer does; causal texts are cut
+    /// after tokenization.
+    fn tokenizer<'o>(&self, options: &TokenizeOptions<'o>) -> Result<LmTokenizer<'o>> {
+        let dir = options
+            .tokenizer_json
+            .parent()
+            .unwrap_or_else(|| Path::new("."));
+        let tokenizer = if self.masked.is_some() && !self.packing {
+            load_tokenizer(
+                options.tokenizer_json,
+                options.max_seq_len,
+                Truncation::LongestFirst,
+                0,
+            )?
+        } else {
+            load_untruncated(options.tokenizer_json)?
+        };
+        Ok(LmTokenizer {
+            tokenizer,
+            path: options.tokenizer_json,
+            chat: ChatTemplate::find(dir)?,
+            eos_id: options.eos_id,
+            max_len: options.max_seq_len,
+            whole: self.packing,
+        })
+    }
 }
 
 /// Tokenizes examples into features, prompts unscored.
@@ -350,30 +378,7 @@ impl TaskData for LmData {
         shards: &dyn Shards,
         eval_only: bool,
     ) -> Result<Tokenized> {
-        let dir = options
-            .tokenizer_json
-            .parent()
-            .unwrap_or_else(|| Path::new("."));
-        // Masked LM's sequences keep their closing special token when truncated, as
-        // run_mlm.py's truncating tokenizer does; causal texts are cut after tokenization.
-        let tokenizer = if self.masked.is_some() && !self.packing {
-            load_tokenizer(
-                options.tokenizer_json,
-                options.max_seq_len,
-                Truncation::LongestFirst,
-                0,
-            )?
-        } else {
-            load_untruncated(options.tokenizer_json)?
-        };
-        let tok = LmTokenizer {
-            tokenizer,
-            path: options.tokenizer_json,
-            chat: ChatTemplate::find(dir)?,
-            eos_id: options.eos_id,
-            max_len: options.max_seq_len,
-            whole: self.packing,
-        };
+        let tok = self.tokenizer(options)?;
         let features = |what: &str, examples: &[LmExample]| {
             shards.tokenize_shared(what, examples.len(), &|share| {
                 tok.features(what, &examples[share.clone()], share.start)
@@ -411,16 +416,7 @@ impl TaskData for LmData {
             .map(|m| Masking::new(options.tokenizer_json, m.probability, m.whole_word, m.seed))
             .transpose()?;
         let eval = match &masking {
-            // Masked once, the same every evaluation.
-            Some(masking) => {
-                for f in &mut train {
-                    f.target = Target::Masked;
-                }
-                eval.iter()
-                    .enumerate()
-                    .map(|(i, f)| masking.mask(f, EVAL_KEY, i))
-                    .collect()
-            }
+            Some(masking) => mask_once(masking, &mut train, eval),
             None => eval,
         };
         let eval: Option<Box<dyn EvalSet>> = (!eval.is_empty()).then(|| {
@@ -435,6 +431,18 @@ impl TaskData for LmData {
             masking,
         })
     }
+}
+
+/// Masked LM: training features are masked as they are batched (from the step), evaluation
+/// features once, the same every evaluation.
+fn mask_once(masking: &Masking, train: &mut [Feature], eval: Vec<Feature>) -> Vec<Feature> {
+    for f in train.iter_mut() {
+        f.target = Target::Masked;
+    }
+    eval.iter()
+        .enumerate()
+        .map(|(i, f)| masking.mask(f, EVAL_KEY, i))
+        .collect()
 }
 
 /// Held-out sequences, scored by the loss per predicted token.

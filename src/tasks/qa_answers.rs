@@ -114,92 +114,12 @@ pub fn postprocess(
             features.len()
         );
     }
-    let mut by_example: Vec<Vec<usize>> = vec![Vec::new(); examples.len()];
-    for (i, f) in features.iter().enumerate() {
-        match by_example.get_mut(f.example) {
-            Some(v) => v.push(i),
-            None => bail!(
-                "feature {i} names example {} of {}",
-                f.example,
-                examples.len()
-            ),
-        }
-    }
+    let by_example = features_by_example(examples, features)?;
+    let v2 = cfg.version_2_with_negative;
     let mut out = Predictions::default();
     for (example, feature_ids) in examples.iter().zip(&by_example) {
-        let mut null: Option<Scored> = None;
-        let mut prelim: Vec<Scored> = Vec::new();
-        for &fi in feature_ids {
-            let (starts, ends) = (&start_logits[fi], &end_logits[fi]);
-            let offsets = &features[fi].offsets;
-            let (Some(&s0), Some(&e0)) = (starts.first(), ends.first()) else {
-                continue;
-            };
-            if null.as_ref().is_none_or(|n| n.score > s0 + e0) {
-                null = Some(Scored {
-                    offsets: (0, 0),
-                    score: s0 + e0,
-                    start_logit: s0,
-                    end_logit: e0,
-                });
-            }
-            let best_ends = top_positions(ends, cfg.n_best_size);
-            for &s in &top_positions(starts, cfg.n_best_size) {
-                for &e in &best_ends {
-                    let (Some(Some(so)), Some(Some(eo))) = (offsets.get(s), offsets.get(e)) else {
-                        continue;
-                    };
-                    if e < s || e - s + 1 > cfg.max_answer_length {
-                        continue;
-                    }
-                    prelim.push(Scored {
-                        offsets: (so.0, eo.1),
-                        score: starts[s] + ends[e],
-                        start_logit: starts[s],
-                        end_logit: ends[e],
-                    });
-                }
-            }
-        }
-        let v2 = cfg.version_2_with_negative;
-        let null_score = null.as_ref().map_or(0.0, |n| n.score);
-        if v2 {
-            if let Some(n) = &null {
-                prelim.push(Scored { ..*n });
-            }
-        }
-        // Stable: equal scores keep their order, as Python's sorted(reverse=True).
-        prelim.sort_by(|a, b| b.score.total_cmp(&a.score));
-        prelim.truncate(cfg.n_best_size);
-        if v2 && !prelim.iter().any(|p| p.offsets == (0, 0)) {
-            if let Some(n) = &null {
-                prelim.push(Scored { ..*n });
-            }
-        }
-        // (text, score, start logit, end logit)
-        let mut cands: Vec<(String, f32, f32, f32)> = prelim
-            .iter()
-            .map(|p| {
-                let text = char_slice(&example.context, p.offsets.0, p.offsets.1);
-                (text, p.score, p.start_logit, p.end_logit)
-            })
-            .collect();
-        if cands.is_empty() || (cands.len() == 1 && cands[0].0.is_empty()) {
-            cands.insert(0, ("empty".to_string(), 0.0, 0.0, 0.0));
-        }
-        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-        let exps: Vec<f32> = cands.iter().map(|c| (c.1 - max).exp()).collect();
-        let total: f32 = exps.iter().sum();
-        let nbest: Vec<Candidate> = cands
-            .iter()
-            .zip(&exps)
-            .map(|(c, e)| Candidate {
-                start_logit: c.2,
-                end_logit: c.3,
-                text: c.0.clone(),
-                probability: e / total,
-            })
-            .collect();
+        let (null, spans) = scored_spans(feature_ids, features, start_logits, end_logits, cfg);
+        let nbest = n_best(example, spans, null.as_ref(), cfg);
         let answer = if !v2 {
             nbest[0].text.clone()
         } else {
@@ -207,6 +127,7 @@ pub fn postprocess(
                 .iter()
                 .find(|c| !c.text.is_empty())
                 .unwrap_or(&nbest[0]);
+            let null_score = null.as_ref().map_or(0.0, |n| n.score);
             let diff = null_score - best.start_logit - best.end_logit;
             out.null_odds.push((example.id.clone(), diff));
             if f64::from(diff) > cfg.null_score_diff_threshold {
@@ -219,6 +140,115 @@ pub fn postprocess(
         out.nbest.push((example.id.clone(), nbest));
     }
     Ok(out)
+}
+
+/// The indices of each example's features.
+fn features_by_example(examples: &[QaExample], features: &[QaFeature]) -> Result<Vec<Vec<usize>>> {
+    let mut by_example: Vec<Vec<usize>> = vec![Vec::new(); examples.len()];
+    for (i, f) in features.iter().enumerate() {
+        match by_example.get_mut(f.example) {
+            Some(v) => v.push(i),
+            None => bail!(
+                "feature {i} names example {} of {}",
+                f.example,
+                examples.len()
+            ),
+        }
+    }
+    Ok(by_example)
+}
+
+/// Over one example's features: the lowest-scoring null answer (the first token's start and
+/// end logits), and every span of the `n_best_size` best starts and ends that lies in the
+/// context and is at most `max_answer_length` tokens long.
+fn scored_spans(
+    feature_ids: &[usize],
+    features: &[QaFeature],
+    start_logits: &[Vec<f32>],
+    end_logits: &[Vec<f32>],
+    cfg: &PostProcess,
+) -> (Option<Scored>, Vec<Scored>) {
+    let mut null: Option<Scored> = None;
+    let mut spans: Vec<Scored> = Vec::new();
+    for &fi in feature_ids {
+        let (starts, ends) = (&start_logits[fi], &end_logits[fi]);
+        let offsets = &features[fi].offsets;
+        let (Some(&s0), Some(&e0)) = (starts.first(), ends.first()) else {
+            continue;
+        };
+        if null.as_ref().is_none_or(|n| n.score > s0 + e0) {
+            null = Some(Scored {
+                offsets: (0, 0),
+                score: s0 + e0,
+                start_logit: s0,
+                end_logit: e0,
+            });
+        }
+        let best_ends = top_positions(ends, cfg.n_best_size);
+        for &s in &top_positions(starts, cfg.n_best_size) {
+            for &e in &best_ends {
+                let (Some(Some(so)), Some(Some(eo))) = (offsets.get(s), offsets.get(e)) else {
+                    continue;
+                };
+                if e < s || e - s + 1 > cfg.max_answer_length {
+                    continue;
+                }
+                spans.push(Scored {
+                    offsets: (so.0, eo.1),
+                    score: starts[s] + ends[e],
+                    start_logit: starts[s],
+                    end_logit: ends[e],
+                });
+            }
+        }
+    }
+    (null, spans)
+}
+
+/// The `n_best_size` best answers (with SQuAD v2, the null answer among them), their texts
+/// and softmax probabilities; never empty.
+fn n_best(
+    example: &QaExample,
+    mut prelim: Vec<Scored>,
+    null: Option<&Scored>,
+    cfg: &PostProcess,
+) -> Vec<Candidate> {
+    let v2 = cfg.version_2_with_negative;
+    if let (true, Some(n)) = (v2, null) {
+        prelim.push(Scored { ..*n });
+    }
+    // Stable: equal scores keep their order, as Python's sorted(reverse=True).
+    prelim.sort_by(|a, b| b.score.total_cmp(&a.score));
+    prelim.truncate(cfg.n_best_size);
+    if v2 && !prelim.iter().any(|p| p.offsets == (0, 0)) {
+        if let Some(n) = null {
+            prelim.push(Scored { ..*n });
+        }
+    }
+    // (text, score, start logit, end logit)
+    let mut cands: Vec<(String, f32, f32, f32)> = prelim
+        .iter()
+        .map(|p| {
+            let text = char_slice(&example.context, p.offsets.0, p.offsets.1);
+            (text, p.score, p.start_logit, p.end_logit)
+        })
+        .collect();
+    if cands.is_empty() || (cands.len() == 1 && cands[0].0.is_empty()) {
+        cands.insert(0, ("empty".to_string(), 0.0, 0.0, 0.0));
+    }
+    let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = cands.iter().map(|c| (c.1 - max).exp()).collect();
+    let total: f32 = exps.iter().sum();
+    cands
+        .iter()
+        .zip(&exps)
+        .map(|(c, e)| Candidate {
+            start_logit: c.2,
+            end_logit: c.3,
+            text: c.0.clone(),
+            probability: e / total,
+        })
+        .collect()
 }
 
 /// A JSON object with its keys in the given order.

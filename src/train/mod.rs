@@ -19,7 +19,7 @@ pub mod setup;
 mod window;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -216,20 +216,7 @@ impl<'a> Trainer<'a> {
         }
         let root = dist.is_root();
         let out = PathBuf::from(&config.train.output_dir);
-        if root {
-            prepare_output_dir(&out, resume.is_some(), config.train.overwrite_output_dir)?;
-            checkpoint::recover(&out)?;
-        }
-        let resume_dir = match resume {
-            Some(spec) => {
-                let (dir, passed_over) = checkpoint::resume_dir(&out, spec)?;
-                for line in passed_over.iter().filter(|_| root) {
-                    tracing::warn!("{line}");
-                }
-                Some(dir)
-            }
-            None => None,
-        };
+        let resume_dir = output_and_resume_dirs(config, &out, resume, root)?;
         let autocast = set_up_numerics(config, dist)?;
         startup::mark("threads");
         // The data (its labels can size the head), and the pretrained model with a head for
@@ -250,36 +237,16 @@ impl<'a> Trainer<'a> {
         let sync = GradSync::new(&flat, &p.model, config);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
         if config.runtime.sparse_embedding_updates {
-            let table = p.model.sparse_lookup_table();
-            let deferred = table.and_then(|t| opt.adamw.defer_untouched_rows(&opt.flat, &t));
-            if let (true, Some(name)) = (root, deferred) {
-                tracing::info!(
-                    "{name}: sparse gradient; a step updates the rows it looked up, the others when next used (runtime.sparse_embedding_updates)"
-                );
-            }
+            defer_embedding_rows(&mut p.model, &mut opt, root);
         }
         startup::mark("optimizer");
-        let layout = opt.flat.layout();
-        let mut state = match &resume_dir {
-            Some(dir) => {
-                let mut state = checkpoint::resume(dir, &mut opt.adamw, &layout, total_steps)?;
-                continue_data_position(&mut state, &plan, config.train.allow_global_batch_change)
-                    .with_context(|| format!("cannot resume from {}", dir.display()))?;
-                state
-            }
-            None => TrainerState::start(layout, total_steps),
+        let mut state = start_state(config, resume_dir.as_deref(), &mut opt, &plan, total_steps)?;
+        state.world_size = dist.topo.world;
+        let (log, tensorboard, profiler) = if root {
+            run_outputs(config, &out, resume_dir.is_some())?
+        } else {
+            (None, None, None)
         };
-        (state.global_batch, state.world_size) = (plan.global_batch(), dist.topo.world);
-        let log = root
-            .then(|| MetricsLog::open(&out.join("metrics.jsonl"), resume_dir.is_some()))
-            .transpose()?;
-        let tensorboard = (root && config.train.report_to.iter().any(|r| r == "tensorboard"))
-            .then(|| EventWriter::create(&out.join("runs")))
-            .transpose()?;
-        let runtime = &config.runtime;
-        let profiler = root
-            .then(|| StepProfiler::new(runtime.profile_start_step, runtime.profile_steps, &out))
-            .flatten();
         Ok(Trainer {
             config,
             dist,
@@ -367,47 +334,12 @@ impl<'a> Trainer<'a> {
         let (mut times, mut loss_sum, mut tokens) = (StepTimes::default(), 0.0, 0usize);
         self.sync.begin(self.state.global_step + 1);
         for (m, indices) in micro.iter().enumerate() {
-            let t = Instant::now();
-            let masked: Vec<Feature>;
-            let batch: Vec<&Feature> = match &self.masking {
-                Some(masking) => {
-                    let step = self.state.global_step as u64;
-                    masked = indices
-                        .iter()
-                        .map(|&i| masking.mask(&self.train[i], step, i))
-                        .collect();
-                    masked.iter().collect()
-                }
-                None => indices.iter().map(|&i| &self.train[i]).collect(),
-            };
-            let pad_id = self.model.config.pad_token_id;
-            let (inputs, real_tokens) = collate(&batch, pad_id, self.config.pad_to());
-            let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
-            times.data += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let micro_index = self.dist.topo.rank * self.plan.accumulation + m;
-            let seed = self.config.runtime.seed;
-            seed_dropout(dropout_seed(seed, self.state.global_step, micro_index));
             // The last micro-batch of a step, with several processes, runs backward stage by
             // stage so each gradient bucket leaves as soon as it is complete.
             let staged = distributed && m + 1 == micro.len();
-            self.opt.catch_up(&inputs.input_ids)?;
-            let (output, boundaries) = if staged {
-                self.model.forward_staged(&inputs, true)
-            } else {
-                (self.model.forward(&inputs, true), Vec::new())
-            };
-            let loss = self.model.loss(&output, &labels)? / micro_in_step;
-            times.forward += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            if staged {
-                self.sync
-                    .backward_staged(&loss, &boundaries, &self.opt.flat, self.dist)?;
-            } else {
-                loss.backward();
-            }
-            loss_sum += loss.double_value(&[]);
-            times.backward += t.elapsed().as_secs_f64();
+            let (loss, real_tokens) =
+                self.micro_step(m, indices, micro_in_step, staged, &mut times)?;
+            loss_sum += loss;
             tokens += real_tokens;
         }
         let t = Instant::now();
@@ -450,6 +382,56 @@ impl<'a> Trainer<'a> {
                 None
             },
         })
+    }
+
+    /// Forward and backward of micro-batch `m` of this process's share of the step; its loss
+    /// (already divided by the step's micro-batch count) and its real tokens.
+    fn micro_step(
+        &mut self,
+        m: usize,
+        indices: &[usize],
+        micro_in_step: f64,
+        staged: bool,
+        times: &mut StepTimes,
+    ) -> Result<(f64, usize)> {
+        let t = Instant::now();
+        let masked: Vec<Feature>;
+        let batch: Vec<&Feature> = match &self.masking {
+            Some(masking) => {
+                let step = self.state.global_step as u64;
+                masked = indices
+                    .iter()
+                    .map(|&i| masking.mask(&self.train[i], step, i))
+                    .collect();
+                masked.iter().collect()
+            }
+            None => indices.iter().map(|&i| &self.train[i]).collect(),
+        };
+        let pad_id = self.model.config.pad_token_id;
+        let (inputs, real_tokens) = collate(&batch, pad_id, self.config.pad_to());
+        let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
+        times.data += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let micro_index = self.dist.topo.rank * self.plan.accumulation + m;
+        let seed = self.config.runtime.seed;
+        seed_dropout(dropout_seed(seed, self.state.global_step, micro_index));
+        self.opt.catch_up(&inputs.input_ids)?;
+        let (output, boundaries) = if staged {
+            self.model.forward_staged(&inputs, true)
+        } else {
+            (self.model.forward(&inputs, true), Vec::new())
+        };
+        let loss = self.model.loss(&output, &labels)? / micro_in_step;
+        times.forward += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        if staged {
+            self.sync
+                .backward_staged(&loss, &boundaries, &self.opt.flat, self.dist)?;
+        } else {
+            loss.backward();
+        }
+        times.backward += t.elapsed().as_secs_f64();
+        Ok((loss.double_value(&[]), real_tokens))
     }
 
     /// Moves the state past global batch `index` of `batches`; true when the epoch ended.
@@ -747,4 +729,79 @@ impl<'a> Trainer<'a> {
             eval: self.final_eval,
         })
     }
+}
+/// The trainer state this run starts from: a new one, or the checkpoint's (its AdamW moments
+/// restored into `opt`, its data position carried over to this run's batch plan).
+fn start_state(
+    config: &Config,
+    resume_dir: Option<&Path>,
+    opt: &mut Optimizer,
+    plan: &BatchPlan,
+    total_steps: usize,
+) -> Result<TrainerState> {
+    let layout = opt.flat.layout();
+    let mut state = match resume_dir {
+        Some(dir) => {
+            let mut state = checkpoint::resume(dir, &mut opt.adamw, &layout, total_steps)?;
+            continue_data_position(&mut state, plan, config.train.allow_global_batch_change)
+                .with_context(|| format!("cannot resume from {}", dir.display()))?;
+            state
+        }
+        None => TrainerState::start(layout, total_steps),
+    };
+    state.global_batch = plan.global_batch();
+    Ok(state)
+}
+
+/// Rank 0 readies the output directory (and recovers from a save a kill cut short); with
+/// `--resume`, every rank finds the checkpoint to resume (rank 0 says which it passed over).
+fn output_and_resume_dirs(
+    config: &Config,
+    out: &Path,
+    resume: Option<&str>,
+    root: bool,
+) -> Result<Option<PathBuf>> {
+    if root {
+        prepare_output_dir(out, resume.is_some(), config.train.overwrite_output_dir)?;
+        checkpoint::recover(out)?;
+    }
+    let Some(spec) = resume else {
+        return Ok(None);
+    };
+    let (dir, passed_over) = checkpoint::resume_dir(out, spec)?;
+    for line in passed_over.iter().filter(|_| root) {
+        tracing::warn!("{line}");
+    }
+    Ok(Some(dir))
+}
+
+/// `runtime.sparse_embedding_updates`: a word-embedding table only the lookup reads gets
+/// lazy rows in AdamW.
+fn defer_embedding_rows(model: &mut TaskModel, opt: &mut Optimizer, root: bool) {
+    let table = model.sparse_lookup_table();
+    let deferred = table.and_then(|t| opt.adamw.defer_untouched_rows(&opt.flat, &t));
+    if let (true, Some(name)) = (root, deferred) {
+        tracing::info!(
+            "{name}: sparse gradient; a step updates the rows it looked up, the others when next used (runtime.sparse_embedding_updates)"
+        );
+    }
+}
+
+/// Rank 0's metrics log (appended to when resuming), TensorBoard events and profiler.
+fn run_outputs(
+    config: &Config,
+    out: &Path,
+    resumed: bool,
+) -> Result<(
+    Option<MetricsLog>,
+    Option<EventWriter>,
+    Option<StepProfiler>,
+)> {
+    let log = MetricsLog::open(&out.join("metrics.jsonl"), resumed)?;
+    let tensorboard = (config.train.report_to.iter().any(|r| r == "tensorboard"))
+        .then(|| EventWriter::create(&out.join("runs")))
+        .transpose()?;
+    let runtime = &config.runtime;
+    let profiler = StepProfiler::new(runtime.profile_start_step, runtime.profile_steps, out);
+    Ok((Some(log), tensorboard, profiler))
 }
