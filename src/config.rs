@@ -299,6 +299,10 @@ pub struct TrainConfig {
     /// Keep at most this many checkpoints (oldest removed first, never the best with
     /// `load_best_model_at_end`); 0 = keep all.
     pub save_total_limit: usize,
+    /// Saved weights above this size are split into `model-0000K-of-0000N.safetensors` shards
+    /// with a `model.safetensors.index.json` (transformers' `max_shard_size`): bytes, or a
+    /// number with KB/MB/GB (powers of 1000) or KiB/MiB/GiB (powers of 1024).
+    pub save_max_shard_size: String,
     /// Save a checkpoint at every evaluation and make the final model the one that scored
     /// best on `eval.metric_for_best_model` (its evaluation is the final eval_results.json).
     pub load_best_model_at_end: bool,
@@ -326,6 +330,42 @@ pub enum OnSaveError {
     Continue,
 }
 
+impl TrainConfig {
+    /// `save_max_shard_size` in bytes.
+    pub fn max_shard_bytes(&self) -> Result<u64> {
+        parse_size(&self.save_max_shard_size)
+            .with_context(|| format!("train.save_max_shard_size: {:?}", self.save_max_shard_size))
+    }
+}
+
+/// A size as transformers' `convert_file_size_to_int` reads it: bytes, or a number with KB, MB,
+/// GB (powers of 1000) or KiB, MiB, GiB (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| anyhow::anyhow!("not a size (e.g. 5GB, 500MB, 2GiB, or bytes)"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => bail!("unknown unit {other:?} (KB, MB, GB, KiB, MiB or GiB)"),
+    };
+    let bytes = (number * scale as f64).round();
+    if bytes < 1.0 {
+        bail!("must be at least 1 byte");
+    }
+    Ok(bytes as u64)
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
@@ -349,6 +389,7 @@ impl Default for TrainConfig {
             logging_steps: 10,
             save_steps: 500,
             save_total_limit: 0,
+            save_max_shard_size: "5GB".into(),
             load_best_model_at_end: false,
             report_to: Vec::new(),
             allow_global_batch_change: false,
@@ -753,6 +794,7 @@ impl Config {
         if t.gradient_accumulation_steps == 0 {
             bail!("train.gradient_accumulation_steps: must be at least 1");
         }
+        t.max_shard_bytes()?;
         if self.dist.bucket_mb.is_nan() || self.dist.bucket_mb <= 0.0 {
             bail!("dist.bucket_mb: must be positive");
         }
@@ -834,6 +876,18 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_sizes_read_as_transformers_reads_them() {
+        assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(parse_size("500MB").unwrap(), 500_000_000);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5KiB").unwrap(), 1536);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        for bad in ["", "GB", "5XB", "0", "-1MB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn overrides_are_typed_and_win() {

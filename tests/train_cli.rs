@@ -279,23 +279,49 @@ fn profile_steps_write_a_trace_and_a_table_of_operators() {
 }
 
 /// A checkpoint loads in transformers 5.23.0 with no missing or unexpected keys and gives the
-/// same logits (within 1e-5) as sprtrain on the same token ids.
+/// same logits (within 1e-5) as sprtrain on the same token ids: in one model.safetensors, and
+/// split into shards by `train.save_max_shard_size` (30 KB: the tiny model's 87 KB in 4).
 #[test]
 fn checkpoint_loads_in_transformers() {
     let Some(python) = require_reference_python() else {
         return;
     };
+    check_loads_in_transformers(&python, None);
+    check_loads_in_transformers(&python, Some("30KB"));
+}
+
+fn check_loads_in_transformers(python: &Path, max_shard_size: Option<&str>) {
     let tmp = tempfile::tempdir().unwrap();
     let data = write_data(tmp.path());
     let out = tmp.path().join("out");
     let config = write_config(tmp.path(), &data, &out);
+    let shard_setting = format!(
+        "train.save_max_shard_size={}",
+        max_shard_size.unwrap_or("5GB")
+    );
     ok(run(&[
         "--config",
         config.to_str().unwrap(),
         "--set",
         "train.max_steps=4",
+        "--set",
+        &shard_setting,
     ]));
     let ckpt = out.join("checkpoint-4");
+    let shards = (1..=4)
+        .filter(|k| {
+            ckpt.join(format!("model-0000{k}-of-00004.safetensors"))
+                .is_file()
+        })
+        .count();
+    let (single, index) = (
+        ckpt.join("model.safetensors").is_file(),
+        ckpt.join("model.safetensors.index.json").is_file(),
+    );
+    match max_shard_size {
+        None => assert!(single && !index && shards == 0),
+        Some(_) => assert!(!single && index && shards == 4, "{single} {index} {shards}"),
+    }
 
     // Token ids through sprtrain's own tokenizer, logits through sprtrain.
     let tok = sprtrain::data::tokenizer::TextTokenizer::from_file(
@@ -334,7 +360,7 @@ fn checkpoint_loads_in_transformers() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("scripts")
         .join("check_transformers_load.py");
-    let res = std::process::Command::new(&python)
+    let res = std::process::Command::new(python)
         .arg(script)
         .arg(&ckpt)
         .arg(&ids_path)
@@ -450,6 +476,16 @@ fn bad_training_input_is_refused_clearly() {
         "train.batch_size=0",
     ]);
     assert!(e.contains("train.batch_size: must be at least 1"), "{e}");
+    let e = fails(&[
+        "--config",
+        cfg(&good).to_str().unwrap(),
+        "--set",
+        "train.save_max_shard_size=5XB",
+    ]);
+    assert!(
+        e.contains(r#"train.save_max_shard_size: "5XB": unknown unit "XB""#),
+        "{e}"
+    );
     let e = fails(&[
         "--config",
         cfg(&tmp.path().join("nope.tsv")).to_str().unwrap(),

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::io::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with};
-use crate::io::hf_files::{CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
+use crate::io::hf_files::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
 use crate::models::{lora, HfConfig, TaskModel};
 use crate::optim::AdamW;
 use manifest::Verdict;
@@ -173,20 +173,96 @@ pub struct ModelFiles<'a> {
     pub resolved_config: &'a str,
     /// The model trained from (`model.name_or_path`), named by LoRA adapters.
     pub base_model: &'a str,
+    /// Weights above this many bytes are saved in shards (`train.save_max_shard_size`).
+    pub max_shard_bytes: u64,
 }
 
-/// model.safetensors and config.json of `model` with these variables.
+/// The size above which transformers' `save_pretrained` shards weights by default ("5GB").
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// The weights (model.safetensors, or shards and their index above `max_shard_bytes`) and
+/// config.json of `model` with these variables.
 pub fn write_full_model(
     dir: &Path,
     model: &TaskModel,
     mut named: Vec<(String, Tensor)>,
+    max_shard_bytes: u64,
 ) -> Result<()> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    write_safetensors(&dir.join(SINGLE_FILE), &named)?;
+    write_weights(dir, &named, max_shard_bytes)?;
     write_atomic(
         &dir.join(CONFIG_FILE),
         model_config_json(&model.config, &model.class_name())?.as_bytes(),
     )
+}
+
+/// fp32 weights as `save_pretrained` lays them out: one model.safetensors up to
+/// `max_shard_bytes`, else `model-0000K-of-0000N.safetensors` shards (tensors in name order,
+/// a new shard where the next tensor would overflow; a larger tensor alone) named by
+/// model.safetensors.index.json, written last. Weight files of the other layout left in `dir`
+/// by an earlier save are removed after, so a loader never finds both.
+fn write_weights(dir: &Path, named: &[(String, Tensor)], max_shard_bytes: u64) -> Result<()> {
+    let bytes = |t: &Tensor| t.numel() as u64 * 4;
+    let mut shards: Vec<&[(String, Tensor)]> = Vec::new();
+    let (mut start, mut size) = (0, 0u64);
+    for (i, (_, t)) in named.iter().enumerate() {
+        if i > start && size + bytes(t) > max_shard_bytes {
+            shards.push(&named[start..i]);
+            (start, size) = (i, 0);
+        }
+        size += bytes(t);
+    }
+    shards.push(&named[start..]);
+    let mut kept = Vec::new();
+    if shards.len() == 1 {
+        write_safetensors(&dir.join(SINGLE_FILE), named)?;
+        kept.push(SINGLE_FILE.to_string());
+    } else {
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        for (k, shard) in shards.iter().enumerate() {
+            let file = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
+            write_safetensors(&dir.join(&file), shard)?;
+            for (name, _) in shard.iter() {
+                weight_map.insert(name.clone(), file.clone().into());
+            }
+            kept.push(file);
+        }
+        let total: u64 = named.iter().map(|(_, t)| bytes(t)).sum();
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_atomic(
+            &dir.join(INDEX_FILE),
+            (serde_json::to_string_pretty(&index)? + "\n").as_bytes(),
+        )?;
+        kept.push(INDEX_FILE.to_string());
+    }
+    remove_stale_weights(dir, &kept)
+}
+
+/// Removes weight files (model.safetensors, shards, the index) in `dir` that are not `kept`.
+fn remove_stale_weights(dir: &Path, kept: &[String]) -> Result<()> {
+    let is_weights = |name: &str| {
+        name == SINGLE_FILE
+            || name == INDEX_FILE
+            || (name.starts_with("model-")
+                && name.contains("-of-")
+                && name.ends_with(".safetensors"))
+    };
+    let mut removed = false;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let name = entry?.file_name().to_string_lossy().to_string();
+        if is_weights(&name) && !kept.contains(&name) {
+            let path = dir.join(&name);
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove the stale {}", path.display()))?;
+            removed = true;
+        }
+    }
+    if removed {
+        sync_dir(dir)?;
+    }
+    Ok(())
 }
 
 fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
@@ -206,7 +282,12 @@ fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
             let json = lora::adapter_config_json(spec, config.arch, files.base_model, "CAUSAL_LM");
             write_atomic(&dir.join(lora::ADAPTER_CONFIG), json.as_bytes())?;
         }
-        None => write_full_model(dir, files.model, files.vs.variables().into_iter().collect())?,
+        None => write_full_model(
+            dir,
+            files.model,
+            files.vs.variables().into_iter().collect(),
+            files.max_shard_bytes,
+        )?,
     }
     files.tokenizer.write(dir)?;
     write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())

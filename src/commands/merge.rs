@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use crate::checkpoint::{copy_tokenizer, write_full_model};
+use crate::checkpoint::{copy_tokenizer, write_full_model, DEFAULT_MAX_SHARD_BYTES};
 use crate::io::hf_files::TOKENIZER_FILE;
 use crate::io::hub;
 use crate::models::{lora, Head, HfConfig, TaskModel};
@@ -67,7 +67,7 @@ pub fn run(args: &MergeArgs) -> Result<usize> {
     let plain = TaskModel::new(&vs.root(), config, Head::CausalLm)?;
     std::fs::create_dir_all(&args.output)
         .with_context(|| format!("cannot create {}", args.output.display()))?;
-    write_full_model(&args.output, &plain, merged)?;
+    write_full_model(&args.output, &plain, merged, DEFAULT_MAX_SHARD_BYTES)?;
     let tokenizer = [
         args.adapter.join(TOKENIZER_FILE),
         base_dir.join(TOKENIZER_FILE),

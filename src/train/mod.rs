@@ -172,6 +172,8 @@ pub struct Trainer<'a> {
     tokenizer: TokenizerFiles,
     /// The resolved config, saved with every checkpoint.
     resolved_config: String,
+    /// `train.save_max_shard_size` in bytes.
+    max_shard_bytes: u64,
     train: Vec<Feature>,
     /// Token count of each training feature, for length grouping.
     lengths: Vec<usize>,
@@ -253,6 +255,7 @@ impl<'a> Trainer<'a> {
             started,
             _autocast: autocast,
             resolved_config: config.to_toml()?,
+            max_shard_bytes: config.train.max_shard_bytes()?,
             lengths: p.train.iter().map(|f| f.input_ids.len()).collect(),
             progress: Progress::new(total_steps, state.global_step, root),
             out,
@@ -628,6 +631,7 @@ impl<'a> Trainer<'a> {
             tokenizer: &self.tokenizer,
             resolved_config: &self.resolved_config,
             base_model: &self.config.model.name_or_path,
+            max_shard_bytes: self.max_shard_bytes,
         }
     }
 
