@@ -348,7 +348,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
     let (number, unit) = t.split_at(digits);
     let number: f64 = number
         .parse()
-        .map_err(|_| anyhow::anyhow!("not a size (e.g. 5GB, 500MB, 2GiB, or bytes)"))?;
+        .map_err(|_| anyhow!("not a size (e.g. 5GB, 500MB, 2GiB, or bytes)"))?;
     let scale: u64 = match unit.trim() {
         "" | "B" => 1,
         "KB" => 1_000,
@@ -657,7 +657,7 @@ impl Fp32Gemm {
     /// Picks the library of this process's fp32 products (`runtime.fp32_gemm`, resolved for this
     /// CPU) before any product runs, and returns the one in use. Where oneDNN refuses the CPU, an
     /// explicit "onednn" is an error and "auto" falls back to the BLAS with a warning.
-    pub fn select(self) -> anyhow::Result<Fp32Gemm> {
+    pub fn select(self) -> Result<Fp32Gemm> {
         let resolved = self.resolve(&CpuInfo::detect());
         match crate::models::layers::use_onednn_fp32(
             resolved.layers_onednn(),
@@ -668,7 +668,7 @@ impl Fp32Gemm {
                 tracing::warn!("fp32 products through the BLAS: oneDNN refused this CPU ({e})");
                 Ok(Fp32Gemm::Blas)
             }
-            Err(e) => anyhow::bail!("runtime.fp32_gemm = \"onednn\": {e}"),
+            Err(e) => bail!("runtime.fp32_gemm = \"onednn\": {e}"),
         }
     }
 

@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::io::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with};
+use crate::io::atomic_file::{publish, sync_dir, write_atomic, write_atomic_with, write_json};
 use crate::io::hf_files::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_FILES};
 use crate::models::{lora, HfConfig, TaskModel};
 use crate::optim::AdamW;
@@ -231,10 +231,7 @@ fn write_weights(dir: &Path, named: &[(String, Tensor)], max_shard_bytes: u64) -
         let total: u64 = named.iter().map(|(_, t)| bytes(t)).sum();
         let index =
             serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write_atomic(
-            &dir.join(INDEX_FILE),
-            (serde_json::to_string_pretty(&index)? + "\n").as_bytes(),
-        )?;
+        write_json(&dir.join(INDEX_FILE), &index)?;
         kept.push(INDEX_FILE.to_string());
     }
     remove_stale_weights(dir, &kept)

@@ -4,13 +4,12 @@
 //!
 //! Offline (`HF_HUB_OFFLINE=1`) only the cache is read, as transformers does.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
-
-use std::collections::BTreeSet;
 
 use crate::io::hf_files::{
     read_index, CONFIG_FILE, INDEX_FILE, PICKLE_FILE, SINGLE_FILE, TOKENIZER_FILE,
