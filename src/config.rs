@@ -133,6 +133,31 @@ pub struct DistConfig {
     /// MPI's busy polling, which takes CPU from training where a node has no core to spare;
     /// SPRTRAIN_SOCKET_IFNAME picks its interface). bf16 sums and the rest stay on MPI.
     pub transport: Transport,
+    /// ZeRO stage, as DeepSpeed numbers them: 0 = every process keeps the whole optimizer
+    /// state and gradient; 1 = each keeps AdamW's moments for its 1/N of the parameters
+    /// (gradients reduce-scattered, updated parameters all-gathered); 2 = also only its 1/N
+    /// of the summed gradient (every micro-batch reduced as its backward completes). Needs
+    /// transport "mpi". Checkpoints are the same at every stage.
+    pub zero_stage: u8,
+}
+
+impl DistConfig {
+    fn validate(&self) -> Result<()> {
+        if self.bucket_mb.is_nan() || self.bucket_mb <= 0.0 {
+            bail!("dist.bucket_mb: must be positive");
+        }
+        match self.zero_stage {
+            0 => {}
+            1 | 2 if self.transport == Transport::Tcp => bail!(
+                "dist.zero_stage = {}: ZeRO's reduce-scatter and all-gather run over MPI; set dist.transport = \"mpi\"",
+                self.zero_stage
+            ),
+            1 | 2 => {}
+            3 => bail!("dist.zero_stage = 3 (sharded parameters) is not available yet; stages 1 and 2 shard the optimizer state and the gradients"),
+            n => bail!("dist.zero_stage = {n}: must be 0, 1, 2 or 3 (DeepSpeed's ZeRO stages)"),
+        }
+        Ok(())
+    }
 }
 
 impl Default for DistConfig {
@@ -143,6 +168,7 @@ impl Default for DistConfig {
             collective_timeout_s: 300.0,
             pin_threads: true,
             transport: Transport::Mpi,
+            zero_stage: 0,
         }
     }
 }
@@ -795,9 +821,7 @@ impl Config {
             bail!("train.gradient_accumulation_steps: must be at least 1");
         }
         t.max_shard_bytes()?;
-        if self.dist.bucket_mb.is_nan() || self.dist.bucket_mb <= 0.0 {
-            bail!("dist.bucket_mb: must be positive");
-        }
+        self.dist.validate()?;
         for target in &self.train.report_to {
             if !matches!(target.as_str(), "tensorboard" | "none") {
                 bail!("train.report_to: {target:?} is not supported (\"tensorboard\" is)");

@@ -37,6 +37,69 @@ pub struct FlatParams {
     chunks: Vec<(usize, usize, bool)>,
 }
 
+/// The elements of the flat buffer whose optimizer state this rank keeps, in buffer order:
+/// all of them, or under ZeRO (`dist.zero_stage` 1-2) this rank's chunk of every gradient
+/// bucket. Their moments (and, at stage 2, their summed gradient) lie back to back in this
+/// order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    pub ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl Shard {
+    /// Every element of a buffer of `numel`.
+    pub fn whole(numel: usize) -> Shard {
+        Shard {
+            ranges: std::iter::once(0..numel).collect(),
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum()
+    }
+}
+
+/// A run of elements the fused pass updates as one task: its offset in the flat buffers and
+/// in the shard's state, its length, and whether it takes weight decay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    flat: usize,
+    state: usize,
+    len: usize,
+    decay: bool,
+}
+
+/// The flat buffer's chunks (see `FlatParams::chunks`) cut to `shard`, with their places in
+/// the shard's state.
+fn pieces(chunks: &[(usize, usize, bool)], shard: &Shard) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let mut state = 0;
+    let mut next_chunk = 0;
+    for range in &shard.ranges {
+        // Chunks lie in buffer order, as do the shard's ranges: resume where the last ended.
+        while let Some(&(start, len, decay)) = chunks.get(next_chunk) {
+            if start >= range.end {
+                break;
+            }
+            let (lo, hi) = (start.max(range.start), (start + len).min(range.end));
+            if lo < hi {
+                out.push(Piece {
+                    flat: lo,
+                    state: state + lo - range.start,
+                    len: hi - lo,
+                    decay,
+                });
+            }
+            if start + len > range.end {
+                break; // the rest of this chunk belongs to the next range, if any
+            }
+            next_chunk += 1;
+        }
+        state += range.len();
+    }
+    out
+}
+
 /// The helpers of src/optim_buffers.cpp.
 mod buffers {
     use tch::Tensor;
@@ -187,6 +250,39 @@ impl FlatParams {
         self.params.numel() as i64
     }
 
+    /// Zeroes `range` of the flat gradient and gives its whole pages back to the kernel: under
+    /// ZeRO stage 2 a bucket's full gradient is dropped once its sum has been sent, and its
+    /// pages cost no memory until the next backward writes them (reading as zeros then).
+    pub fn release_grads(&self, range: std::ops::Range<usize>) {
+        // SAFETY: the caller is done with this range of the gradient until the next backward,
+        // and nothing else reads or writes it meanwhile.
+        let grads = unsafe { self.grads_mut(range) };
+        let page = 4096 / std::mem::size_of::<f32>();
+        let addr = grads.as_ptr() as usize;
+        // The whole pages inside the range: the elements before the first page boundary and
+        // after the last are zeroed by hand.
+        let head = ((addr.next_multiple_of(4096) - addr) / 4).min(grads.len());
+        let pages = (grads.len() - head) / page * page;
+        grads[..head].fill(0.0);
+        grads[head + pages..].fill(0.0);
+        if pages > 0 {
+            let middle = &mut grads[head..head + pages];
+            // SAFETY: whole pages of a private anonymous mapping (the buffer is one, see
+            // `buffers::lazy_zeros`, or a heap allocation, also private and anonymous) that
+            // nothing uses now: MADV_DONTNEED makes them read as zeros.
+            let done = unsafe {
+                libc::madvise(
+                    middle.as_mut_ptr().cast(),
+                    pages * std::mem::size_of::<f32>(),
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if done != 0 {
+                middle.fill(0.0);
+            }
+        }
+    }
+
     /// (name, numel) of every parameter in buffer order: what a checkpoint's optimizer state
     /// must match to be restored.
     pub fn layout(&self) -> Vec<(String, i64)> {
@@ -224,9 +320,16 @@ pub struct AdamWConfig {
 /// `torch.optim.AdamW` (decoupled weight decay, bias-corrected moments) on flat buffers.
 pub struct AdamW {
     pub config: AdamWConfig,
-    /// First and second moments, (N) fp32 each.
+    /// The elements this rank updates (of the flat buffer's), and the fused pass's pieces.
+    flat_numel: usize,
+    shard: Shard,
+    pieces: Vec<Piece>,
+    /// First and second moments of the shard, (S) fp32 each.
     pub exp_avg: Tensor,
     pub exp_avg_sq: Tensor,
+    /// ZeRO stage 2: the shard's summed gradient, (S) fp32, which the step reads instead of
+    /// the flat gradient.
+    shard_grads: Option<Tensor>,
     /// Optimizer steps taken.
     pub step: i64,
     /// A table whose untouched rows wait (see [`LazyRows`]).
@@ -256,12 +359,24 @@ struct LazyRows {
 const LAZY_ROWS_PER_TASK: usize = 256;
 
 impl AdamW {
+    /// AdamW over all of `flat`'s parameters.
     pub fn new(config: AdamWConfig, flat: &FlatParams) -> Self {
+        Self::sharded(config, flat, Shard::whole(flat.numel() as usize), false)
+    }
+
+    /// AdamW over `shard` of `flat`'s parameters; with `own_grads` (ZeRO stage 2) the
+    /// shard's gradient lives here (see [`AdamW::shard_grads_mut`]), not in `flat`.
+    pub fn sharded(config: AdamWConfig, flat: &FlatParams, shard: Shard, own_grads: bool) -> Self {
+        let numel = shard.numel() as i64;
         AdamW {
             config,
+            pieces: pieces(&flat.chunks, &shard),
+            flat_numel: flat.numel() as usize,
+            shard,
             // Zero pages until the first step writes them (torch creates its state then).
-            exp_avg: buffers::lazy_zeros(flat.numel()),
-            exp_avg_sq: buffers::lazy_zeros(flat.numel()),
+            exp_avg: buffers::lazy_zeros(numel),
+            exp_avg_sq: buffers::lazy_zeros(numel),
+            shard_grads: own_grads.then(|| buffers::lazy_zeros(numel)),
             step: 0,
             lazy: None,
             history: Vec::new(),
@@ -275,6 +390,9 @@ impl AdamW {
     /// and calls `catch_up` with the ids before each lookup. Returns the table's name; None
     /// when it is not one of `flat`'s parameters.
     pub fn defer_untouched_rows(&mut self, flat: &FlatParams, table: &Tensor) -> Option<String> {
+        if !self.is_whole(flat) {
+            return None; // the rows' state would be spread over the ranks
+        }
         let found = flat.vars.iter().zip(&flat.slots).find(|(var, slot)| {
             var.data_ptr() == table.data_ptr() && slot.shape.len() == 2 && slot.numel > 0
         });
@@ -321,7 +439,7 @@ impl AdamW {
             let mut zeros = vec![0.0f32; width];
             for &row in rows {
                 // SAFETY: the rows are distinct (deduplicated) and within the table.
-                let (p, m, v, _) = unsafe { bufs.slices(offset + row * width, width) };
+                let (p, m, v, _) = unsafe { bufs.slices_at(offset + row * width, width) };
                 for k in &history[(current[row] - from) as usize..] {
                     k.apply(p, m, v, &mut zeros, decay);
                 }
@@ -342,24 +460,67 @@ impl AdamW {
         self.catch_up(flat, None);
     }
 
-    /// The four flat buffers of `flat` and this optimizer.
+    /// Whether this optimizer keeps the state of every element of `flat`.
+    fn is_whole(&self, flat: &FlatParams) -> bool {
+        self.shard == Shard::whole(flat.numel() as usize) && self.shard_grads.is_none()
+    }
+
+    /// The parameter, moment and gradient buffers of `flat` and this optimizer.
     fn buffers(&self, flat: &FlatParams) -> Buffers {
-        let n = flat.numel() as usize;
-        // SAFETY: four distinct, contiguous fp32 CPU tensors of n elements that this struct and
-        // `flat` own; callers use them while no libtorch op runs on them (the training thread
-        // is in the optimizer).
+        let (n, s) = (flat.numel() as usize, self.shard.numel());
+        // SAFETY: distinct, contiguous fp32 CPU tensors of n (flat) or s (shard) elements that
+        // this struct and `flat` own; callers use them while no libtorch op runs on them (the
+        // training thread is in the optimizer).
         unsafe {
-            Buffers([
-                f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
-                f32_slice_mut(&self.exp_avg, n).as_mut_ptr() as usize,
-                f32_slice_mut(&self.exp_avg_sq, n).as_mut_ptr() as usize,
-                f32_slice_mut(&flat.grads, n).as_mut_ptr() as usize,
-            ])
+            let grads = match &self.shard_grads {
+                Some(g) => f32_slice_mut(g, s).as_mut_ptr(),
+                None => f32_slice_mut(&flat.grads, n).as_mut_ptr(),
+            };
+            Buffers {
+                base: [
+                    f32_slice_mut(&flat.params, n).as_mut_ptr() as usize,
+                    f32_slice_mut(&self.exp_avg, s).as_mut_ptr() as usize,
+                    f32_slice_mut(&self.exp_avg_sq, s).as_mut_ptr() as usize,
+                    grads as usize,
+                ],
+                grads_in_shard: self.shard_grads.is_some(),
+            }
         }
     }
 
-    /// The moments by the names torch's `state_dict` gives them, as checkpoints save them
-    /// (after [`AdamW::settle`]).
+    /// The shard's ranges of the flat buffer, in order; their state lies back to back.
+    pub fn shard(&self) -> &Shard {
+        &self.shard
+    }
+
+    /// ZeRO stage 2: `range` (in the shard's state order) of the shard's gradient, for the
+    /// reduce-scatter to add into; None where the gradient lives in the flat buffer.
+    ///
+    /// # Safety
+    /// No other slice of the same range may be alive, and no libtorch op may use the buffer,
+    /// while the returned slice is in use.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn shard_grads_mut(&self, range: std::ops::Range<usize>) -> Option<&mut [f32]> {
+        let grads = self.shard_grads.as_ref()?;
+        Some(&mut f32_slice_mut(grads, self.shard.numel())[range])
+    }
+
+    /// The sum of squares of this rank's gradient (its shard's, before clipping), in f64: the
+    /// ranks' sums add up to the square of the global norm.
+    pub fn shard_grad_square_sum(&self, flat: &FlatParams) -> f64 {
+        let bufs = self.buffers(flat);
+        self.pieces
+            .par_iter()
+            .map(|piece| {
+                // SAFETY: a read of the piece; nothing writes the buffers meanwhile.
+                let (_, _, _, g) = unsafe { bufs.slices(piece) };
+                g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>()
+            })
+            .sum()
+    }
+
+    /// The shard's moments by the names torch's `state_dict` gives them (after
+    /// [`AdamW::settle`]): what checkpoints save, gathered from every rank's shard.
     pub fn moments(&self) -> [(String, Tensor); 2] {
         debug_assert!(self
             .lazy
@@ -379,16 +540,27 @@ impl AdamW {
         step: i64,
         origin: &std::path::Path,
     ) -> Result<()> {
-        for (name, mut moment) in self.moments() {
+        for (name, moment) in self.moments() {
             let src = saved
                 .get(&name)
                 .with_context(|| format!("{}: optimizer state lacks {name}", origin.display()))?;
-            tch::no_grad(|| moment.f_copy_(src)).with_context(|| {
-                format!(
-                    "{}: optimizer state {name} has the wrong size",
-                    origin.display()
-                )
-            })?;
+            if src.numel() != self.flat_numel || src.kind() != Kind::Float {
+                bail!(
+                    "{}: optimizer state {name} has {} values of {:?}, this model {} of Float",
+                    origin.display(),
+                    src.numel(),
+                    src.kind(),
+                    self.flat_numel
+                );
+            }
+            // Saved whole, whatever the stage and world size that saved it: take this shard.
+            let mut state = 0i64;
+            for range in &self.shard.ranges {
+                let len = range.len() as i64;
+                let mut dst = moment.narrow(0, state, len);
+                tch::no_grad(|| dst.copy_(&src.narrow(0, range.start as i64, len)));
+                state += len;
+            }
         }
         self.step = step;
         if let Some(lazy) = self.lazy.as_mut() {
@@ -427,13 +599,13 @@ impl AdamW {
             .lazy
             .as_ref()
             .map_or(0..0, |l| l.offset..l.offset + l.rows * l.width);
-        flat.chunks
+        self.pieces
             .par_iter()
-            .filter(|(start, _, _)| !lazy.contains(start))
-            .for_each(|&(start, len, decay)| {
-                // SAFETY: [start, start + len) is this chunk's alone.
-                let (p, m, v, g) = unsafe { bufs.slices(start, len) };
-                k.apply(p, m, v, g, decay);
+            .filter(|piece| !lazy.contains(&piece.flat))
+            .for_each(|piece| {
+                // SAFETY: the piece's elements are its alone.
+                let (p, m, v, g) = unsafe { bufs.slices(piece) };
+                k.apply(p, m, v, g, piece.decay);
             });
         let Some(lazy) = self.lazy.as_mut() else {
             return;
@@ -450,7 +622,7 @@ impl AdamW {
                 for (i, row_step) in current.iter_mut().enumerate() {
                     let row = block * LAZY_ROWS_PER_TASK + i;
                     // SAFETY: each task has its own rows of the table.
-                    let (p, m, v, g) = unsafe { bufs.slices(offset + row * width, width) };
+                    let (p, m, v, g) = unsafe { bufs.slices_at(offset + row * width, width) };
                     // Bits, not values: a -0.0 is a gradient the dense pass would have seen.
                     if g.iter().fold(0u32, |acc, x| acc | x.to_bits()) == 0 {
                         continue;
@@ -469,21 +641,47 @@ impl AdamW {
 /// Base addresses of the parameter, moment and gradient buffers, to hand disjoint ranges of
 /// them to rayon's threads.
 #[derive(Clone, Copy)]
-struct Buffers([usize; 4]);
+struct Buffers {
+    /// p (flat), m, v (shard), g (flat, or shard where `grads_in_shard`).
+    base: [usize; 4],
+    grads_in_shard: bool,
+}
+
+type Slices<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32], &'a mut [f32]);
 
 impl Buffers {
-    /// (p, m, v, g) over `[start, start + len)`.
+    /// (p, m, v, g) of `piece`.
     ///
     /// # Safety
-    /// The range lies within the buffers, and no other slice of it is alive meanwhile.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slices(
-        &self,
-        start: usize,
-        len: usize,
-    ) -> (&mut [f32], &mut [f32], &mut [f32], &mut [f32]) {
-        let at = |i: usize| std::slice::from_raw_parts_mut((self.0[i] as *mut f32).add(start), len);
-        (at(0), at(1), at(2), at(3))
+    /// The piece lies within the buffers, and no other slice of it is alive meanwhile.
+    unsafe fn slices<'a>(&self, piece: &Piece) -> Slices<'a> {
+        let at = |i: usize, start: usize| {
+            std::slice::from_raw_parts_mut((self.base[i] as *mut f32).add(start), piece.len)
+        };
+        let g = if self.grads_in_shard {
+            piece.state
+        } else {
+            piece.flat
+        };
+        (
+            at(0, piece.flat),
+            at(1, piece.state),
+            at(2, piece.state),
+            at(3, g),
+        )
+    }
+
+    /// (p, m, v, g) over `[start, start + len)` of an unsharded optimizer.
+    ///
+    /// # Safety
+    /// As [`Buffers::slices`].
+    unsafe fn slices_at<'a>(&self, start: usize, len: usize) -> Slices<'a> {
+        self.slices(&Piece {
+            flat: start,
+            state: start,
+            len,
+            decay: false,
+        })
     }
 }
 
@@ -633,9 +831,24 @@ impl Optimizer {
     /// Takes step `step` (0-based: the first step's learning rate is the schedule's at 0).
     pub fn step(&mut self, step: usize) -> StepUpdate {
         let grad_norm = self.flat.grad_norm();
+        self.step_with_norm(step, grad_norm)
+    }
+
+    /// Takes step `step` with the gradient's global norm given: under ZeRO each rank holds
+    /// only its shard of the summed gradient, and the ranks add up the norm's square (see
+    /// [`AdamW::shard_grad_square_sum`]). This rank's shard of the parameters moves; the
+    /// caller gathers the others'.
+    pub fn step_with_norm(&mut self, step: usize, grad_norm: f64) -> StepUpdate {
         let lr = self.schedule.lr(step as i64);
         let grad_scale = clip_coefficient(grad_norm, self.max_grad_norm);
         self.adamw.step(&self.flat, lr, grad_scale);
+        if !self.adamw.is_whole(&self.flat) && self.adamw.shard_grads.is_none() {
+            // ZeRO stage 1: the step zeroed its shard of the flat gradient; the rest holds
+            // this rank's own, unsummed gradients, which the next window must not add to.
+            tch::no_grad(|| {
+                let _ = self.flat.grads.shallow_clone().zero_();
+            });
+        }
         StepUpdate { grad_norm, lr }
     }
 }

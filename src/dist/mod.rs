@@ -46,10 +46,25 @@ struct Destination {
     len: usize,
 }
 
+impl Destination {
+    fn of(buf: &mut [f32]) -> Destination {
+        Destination {
+            addr: buf.as_mut_ptr() as usize,
+            len: buf.len(),
+        }
+    }
+}
+
 enum Job {
     /// Sum into `Destination`; the send buffer comes back for reuse.
     AllreduceInto(Vec<f32>, Destination, bool, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
+    /// Sum, keeping only this rank's chunk (see [`chunk`]), written or (true) added into
+    /// `Destination`; the send buffer comes back. The bool before it: bf16 on the wire.
+    ReduceScatterInto(Vec<f32>, Destination, bool, bool, Sender<Vec<f32>>),
+    /// Every rank's chunk of `Destination` (the whole buffer) into every rank's copy; this
+    /// rank's chunk is the first buffer, which comes back.
+    AllGatherInto(Vec<f32>, Destination, Sender<Vec<f32>>),
     /// Rank 0's values into `Destination` on every rank.
     BroadcastInto(Destination, Sender<()>),
     AllGatherBytes(Vec<u8>, Sender<Vec<Vec<u8>>>),
@@ -65,6 +80,15 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// A collective that was done locally (a world of one).
+    fn ready(what: String, buf: Vec<f32>) -> Pending {
+        Pending {
+            what,
+            reply: None,
+            ready: Some(buf),
+        }
+    }
+
     /// The summed buffer; past the collective timeout the job is stopped (see `Dist::call`).
     pub fn wait(self, dist: &Dist) -> Result<Vec<f32>> {
         if let Some(v) = self.ready {
@@ -178,6 +202,34 @@ fn serve(comms: Comms, jobs: Receiver<Job>) {
                 }
                 let _ = reply.send(send);
             }
+            Job::ReduceScatterInto(send, dst, bf16, add, reply) => {
+                // SAFETY: as for AllreduceInto (see `Dist::start_reduce_scatter_into`).
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
+                let mut mine = vec![0f32; out.len()];
+                if bf16 {
+                    reduce_scatter_bf16_wire(world, &send, &mut mine);
+                } else {
+                    reduce_scatter_f32(world, &send, &mut mine);
+                }
+                if add {
+                    out.iter_mut().zip(&mine).for_each(|(o, m)| *o += m);
+                } else {
+                    out.copy_from_slice(&mine);
+                }
+                let _ = reply.send(send);
+            }
+            Job::AllGatherInto(mine, dst, reply) => {
+                // SAFETY: as for AllreduceInto (see `Dist::start_all_gather_into`).
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.len) };
+                let n = world.size() as usize;
+                let parts: Vec<std::ops::Range<usize>> =
+                    (0..n).map(|r| chunk(out.len(), n, r)).collect();
+                let counts: Vec<i32> = parts.iter().map(|c| c.len() as i32).collect();
+                let displs: Vec<i32> = parts.iter().map(|c| c.start as i32).collect();
+                let mut recv = PartitionMut::new(out, &counts[..], &displs[..]);
+                world.all_gather_varcount_into(&mine[..], &mut recv);
+                let _ = reply.send(mine);
+            }
             Job::AllreduceF64(send, reply) => {
                 let mut recv = vec![0f64; send.len()];
                 world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
@@ -214,18 +266,51 @@ pub fn allreduce_bytes(len: usize, elem_bytes: usize, world: usize) -> u64 {
     (2 * (world - 1) * len * elem_bytes / world) as u64
 }
 
-/// Element range of rank `rank`'s chunk when `len` elements are cut among `world` ranks.
-fn chunk(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+/// Bytes each rank sends in a reduce-scatter or an all-gather of `len` elements over `world`
+/// ranks: (N-1)/N of the buffer, half of an allreduce.
+pub fn scatter_bytes(len: usize, elem_bytes: usize, world: usize) -> u64 {
+    ((world.max(1) - 1) * len * elem_bytes / world.max(1)) as u64
+}
+
+/// Element range of rank `rank`'s chunk when `len` elements are cut among `world` ranks: what
+/// a reduce-scatter leaves on each rank.
+pub fn chunk(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
     len * rank / world..len * (rank + 1) / world
 }
 
-/// Sums `send` over all ranks into `out` with bf16 on the wire: a reduce-scatter then an
-/// all-gather, as a ring allreduce moves data. Each rank sends every other rank that rank's
-/// chunk of its bf16 buffer (an all-to-all), sums the N copies of its own chunk in fp32 in
-/// rank order and rounds the sum to bf16, and the rounded chunks are all-gathered. Each rank
-/// sends and receives 2 (N-1)/N x 2 bytes per element (fp32's ring allreduce: 2 (N-1)/N x 4),
-/// and every rank ends with the same values: each chunk's sum is computed once, by its owner.
-fn allreduce_bf16_wire(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+/// Sums `send` over all ranks, keeping this rank's chunk in `out`: MPI_Reduce_scatter (rsmpi
+/// has only the equal-block form).
+fn reduce_scatter_f32(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+    let n = world.size() as usize;
+    let counts: Vec<i32> = (0..n)
+        .map(|r| chunk(send.len(), n, r).len() as i32)
+        .collect();
+    debug_assert_eq!(out.len(), counts[world.rank() as usize] as usize);
+    // SAFETY: `send` holds the sum of `counts` floats, `out` this rank's count; both stay
+    // borrowed for the blocking call; the datatype, op and communicator are live MPI handles.
+    unsafe {
+        mpi::ffi::MPI_Reduce_scatter(
+            send.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            counts.as_ptr(),
+            mpi::ffi::RSMPI_FLOAT,
+            mpi::ffi::RSMPI_SUM,
+            world.as_raw(),
+        );
+    }
+}
+
+/// The first half of [`allreduce_bf16_wire`]: this rank's chunk of the sum, summed in fp32 in
+/// rank order from bf16 copies and rounded to bf16 (the very values the allreduce gives it).
+fn reduce_scatter_bf16_wire(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+    for (o, h) in out.iter_mut().zip(bf16_chunk_sum(world, send)) {
+        *o = bf16_to_f32(h);
+    }
+}
+
+/// Each rank sends every other rank that rank's chunk of its bf16 buffer (an all-to-all) and
+/// sums the N copies of its own chunk in fp32 in rank order; the sum rounded to bf16.
+fn bf16_chunk_sum(world: &SimpleCommunicator, send: &[f32]) -> Vec<u16> {
     let n = world.size() as usize;
     let rank = world.rank() as usize;
     let len = send.len();
@@ -249,7 +334,17 @@ fn allreduce_bf16_wire(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]
             *s += bf16_to_f32(h);
         }
     }
-    let rounded: Vec<u16> = sum.iter().map(|&x| f32_to_bf16(x)).collect();
+    sum.iter().map(|&x| f32_to_bf16(x)).collect()
+}
+
+/// Sums `send` over all ranks into `out` with bf16 on the wire: a reduce-scatter then an
+/// all-gather, as a ring allreduce moves data. Each rank sends every other rank that rank's
+/// chunk of its bf16 buffer (an all-to-all), sums the N copies of its own chunk in fp32 in
+/// rank order and rounds the sum to bf16, and the rounded chunks are all-gathered. Each rank
+/// sends and receives 2 (N-1)/N x 2 bytes per element (fp32's ring allreduce: 2 (N-1)/N x 4),
+/// and every rank ends with the same values: each chunk's sum is computed once, by its owner.
+fn allreduce_bf16_wire(world: &SimpleCommunicator, send: &[f32], out: &mut [f32]) {
+    let rounded = bf16_chunk_sum(world, send);
     let mut at = 0;
     for part in all_gather_varcount(world, &rounded) {
         for (o, &h) in out[at..at + part.len()].iter_mut().zip(&part) {
@@ -407,7 +502,10 @@ impl Dist {
     }
 
     fn count_sum(&self, len: usize, elem_bytes: usize) {
-        let bytes = allreduce_bytes(len, elem_bytes, self.topo.world);
+        self.count_bytes(allreduce_bytes(len, elem_bytes, self.topo.world));
+    }
+
+    fn count_bytes(&self, bytes: u64) {
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
     }
 
@@ -468,10 +566,7 @@ impl Dist {
         if self.topo.world == 1 {
             return Ok(());
         }
-        let dst = Destination {
-            addr: buf.as_mut_ptr() as usize,
-            len: buf.len(),
-        };
+        let dst = Destination::of(buf);
         self.call(what, |tx| Job::BroadcastInto(dst, tx))
     }
 
@@ -492,22 +587,71 @@ impl Dist {
     ) -> Result<Pending> {
         if self.topo.world == 1 {
             dst.copy_from_slice(&send);
-            return Ok(Pending {
-                what,
-                reply: None,
-                ready: Some(send),
-            });
+            return Ok(Pending::ready(what, send));
         }
+        self.count_sum(send.len(), if bf16 { 2 } else { 4 });
+        let dst = Destination::of(dst);
+        self.start(what, |tx| Job::AllreduceInto(send, dst, bf16, tx))
+    }
+
+    /// Starts summing `send` over all ranks, keeping this rank's chunk (`chunk(send.len(),
+    /// world, rank)`) in `dst`, overwritten or, with `add`, added to; returns at once, as
+    /// [`Dist::start_allreduce_into`] (whose `bf16` it shares).
+    ///
+    /// # Safety
+    /// As [`Dist::start_allreduce_into`].
+    pub unsafe fn start_reduce_scatter_into(
+        &self,
+        what: String,
+        send: Vec<f32>,
+        dst: &mut [f32],
+        bf16: bool,
+        add: bool,
+    ) -> Result<Pending> {
+        let world = self.topo.world;
+        debug_assert_eq!(dst.len(), chunk(send.len(), world, self.topo.rank).len());
+        if world == 1 {
+            if add {
+                dst.iter_mut().zip(&send).for_each(|(d, s)| *d += s);
+            } else {
+                dst.copy_from_slice(&send);
+            }
+            return Ok(Pending::ready(what, send));
+        }
+        self.count_bytes(scatter_bytes(send.len(), if bf16 { 2 } else { 4 }, world));
+        let dst = Destination::of(dst);
+        self.start(what, |tx| Job::ReduceScatterInto(send, dst, bf16, add, tx))
+    }
+
+    /// Starts gathering every rank's chunk of `dst` (`chunk(dst.len(), world, rank)`; this
+    /// rank's is `mine`) into `dst` on every rank; returns at once. `wait` gives `mine` back.
+    ///
+    /// # Safety
+    /// As [`Dist::start_allreduce_into`].
+    pub unsafe fn start_all_gather_into(
+        &self,
+        what: String,
+        mine: Vec<f32>,
+        dst: &mut [f32],
+    ) -> Result<Pending> {
+        let (world, rank) = (self.topo.world, self.topo.rank);
+        debug_assert_eq!(mine.len(), chunk(dst.len(), world, rank).len());
+        if world == 1 {
+            dst.copy_from_slice(&mine);
+            return Ok(Pending::ready(what, mine));
+        }
+        self.count_bytes(scatter_bytes(dst.len(), 4, world));
+        let dst = Destination::of(dst);
+        self.start(what, |tx| Job::AllGatherInto(mine, dst, tx))
+    }
+
+    /// Hands `job` to the MPI thread without waiting for it.
+    fn start(&self, what: String, job: impl FnOnce(Sender<Vec<f32>>) -> Job) -> Result<Pending> {
         let Some(jobs) = &self.jobs else {
             bail!("no MPI world")
         };
-        self.count_sum(send.len(), if bf16 { 2 } else { 4 });
         let (tx, rx) = channel();
-        let dst = Destination {
-            addr: dst.as_mut_ptr() as usize,
-            len: dst.len(),
-        };
-        jobs.send(Job::AllreduceInto(send, dst, bf16, tx))
+        jobs.send(job(tx))
             .map_err(|_| anyhow!("rank {}: the MPI thread has stopped", self.topo.rank))?;
         Ok(Pending {
             what,

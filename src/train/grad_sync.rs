@@ -3,6 +3,13 @@
 //! bucket is summed across processes as soon as it is complete, while backward goes on
 //! (llm.c and PyTorch DDP do the same). Also the start-of-run agreement: every process checks
 //! it runs the same job, then takes rank 0's weights.
+//!
+//! Under ZeRO (`dist.zero_stage`, DeepSpeed's stages) each rank owns its chunk of every
+//! bucket (`dist::chunk`): stage 1 reduce-scatters each bucket (a rank gets the sum of its
+//! chunk only) and keeps optimizer state for its chunks alone; stage 2 also drops the full
+//! gradient once a bucket is sent, so every micro-batch's backward is reduced as it completes
+//! and the sums accumulate into the shard. After the step each rank's updated chunks are
+//! all-gathered, and every rank again holds the whole model.
 
 use std::ops::Range;
 
@@ -10,9 +17,9 @@ use anyhow::Result;
 use tch::{Kind, Tensor};
 
 use crate::config::{Config, ReduceDtype};
-use crate::dist::{Dist, Pending};
+use crate::dist::{chunk, Dist, Pending};
 use crate::models::{Boundary, TaskModel};
-use crate::optim::{FlatParams, Slot};
+use crate::optim::{FlatParams, Optimizer, Shard, Slot};
 
 /// A run of whole parameters reduced together: elements of the flat buffer and the slots
 /// (parameters) they hold.
@@ -73,19 +80,38 @@ pub struct GradSync {
     buckets: Vec<Bucket>,
     /// The backward stage after which each bucket's gradients are complete.
     stages: Vec<usize>,
-    /// Send buffers, one per bucket, reused step after step.
+    /// Send buffers, one per bucket, reused step after step (stage 0; under ZeRO they are
+    /// freed after each use, as the memory is what ZeRO saves).
     bufs: Vec<Vec<f32>>,
     bf16: bool,
     pending: Vec<Pending>,
     step: usize,
+    /// The ZeRO stage in effect: `dist.zero_stage`, or 0 in a world of one.
+    zero_stage: u8,
+    /// This rank's chunk of each bucket (flat elements), under ZeRO.
+    own: Vec<Range<usize>>,
+}
+
+/// This rank's chunk of each bucket: the shard of the flat buffer it updates under ZeRO.
+pub fn own_chunks(buckets: &[Bucket], world: usize, rank: usize) -> Vec<Range<usize>> {
+    buckets
+        .iter()
+        .map(|b| {
+            let c = chunk(b.elems.len(), world, rank);
+            b.elems.start + c.start..b.elems.start + c.end
+        })
+        .collect()
 }
 
 impl GradSync {
-    pub fn new(flat: &FlatParams, model: &TaskModel, config: &Config) -> Self {
+    pub fn new(flat: &FlatParams, model: &TaskModel, config: &Config, dist: &Dist) -> Self {
         let buckets = plan_buckets(
             &flat.slots,
             (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
         );
+        let (world, rank) = (dist.topo.world, dist.topo.rank);
+        let zero_stage = if world > 1 { config.dist.zero_stage } else { 0 };
+        let own = own_chunks(&buckets, world, rank);
         // A bucket is ready once backward has passed the stage of its last (deepest) parameter.
         let stages = buckets
             .iter()
@@ -102,11 +128,36 @@ impl GradSync {
             bf16: config.dist.reduce_dtype == ReduceDtype::Bf16,
             pending: Vec::new(),
             step: 0,
+            zero_stage,
+            own,
         }
     }
 
     pub fn buckets(&self) -> usize {
         self.buckets.len()
+    }
+
+    /// The ZeRO stage in effect (0 in a world of one, where there is nothing to shard).
+    pub fn zero_stage(&self) -> u8 {
+        self.zero_stage
+    }
+
+    /// The part of the flat buffer whose optimizer state this rank keeps: all of it, or under
+    /// ZeRO its chunk of every bucket.
+    pub fn shard(&self, numel: usize) -> Shard {
+        if self.zero_stage == 0 {
+            return Shard::whole(numel);
+        }
+        Shard {
+            ranges: self.own.clone(),
+        }
+    }
+
+    /// Whether every micro-batch's gradient is reduced as its backward completes (stage 2,
+    /// which keeps no full gradient from one micro-batch to the next), rather than the last
+    /// micro-batch's alone.
+    pub fn reduces_every_micro_batch(&self) -> bool {
+        self.zero_stage >= 2
     }
 
     /// Starts optimizer step `step` (1-based, for messages): no bucket launched yet.
@@ -116,7 +167,8 @@ impl GradSync {
     }
 
     /// Launches every bucket whose parameters all have their gradients (stage <= `done`).
-    fn launch_ready(&mut self, flat: &FlatParams, dist: &Dist, done: usize) -> Result<()> {
+    fn launch_ready(&mut self, opt: &Optimizer, dist: &Dist, done: usize) -> Result<()> {
+        let flat = &opt.flat;
         while let Some(b) = self.buckets.get(self.pending.len()) {
             let i = self.pending.len();
             if self.stages[i] > done {
@@ -128,14 +180,44 @@ impl GradSync {
                 b.elems.start, b.elems.end, self.step
             );
             let send = std::mem::take(&mut self.bufs[i]);
-            // SAFETY: this range of the flat gradient is touched by nothing but the sum until
-            // `finish` has waited for it; buckets are disjoint.
+            let own = self.own[i].clone();
+            let (bf16, at) = (self.bf16, self.shard_offset(i));
+            // SAFETY: the destination (the bucket, this rank's chunk of it, or that chunk's
+            // place in the shard's gradient) is touched by nothing but the sum until `finish`
+            // has waited for it; buckets are disjoint, and so are their chunks.
             let pending = unsafe {
-                dist.start_allreduce_into(what, send, flat.grads_mut(b.elems.clone()), self.bf16)?
+                match (
+                    self.zero_stage,
+                    opt.adamw.shard_grads_mut(at..at + own.len()),
+                ) {
+                    (0, _) => dist.start_allreduce_into(
+                        what,
+                        send,
+                        flat.grads_mut(b.elems.clone()),
+                        bf16,
+                    )?,
+                    (_, None) => dist.start_reduce_scatter_into(
+                        what,
+                        send,
+                        flat.grads_mut(own),
+                        bf16,
+                        false,
+                    )?,
+                    (_, Some(shard)) => {
+                        // Sent: the full gradient of this bucket is no longer needed.
+                        flat.release_grads(b.elems.clone());
+                        dist.start_reduce_scatter_into(what, send, shard, bf16, true)?
+                    }
+                }
             };
             self.pending.push(pending);
         }
         Ok(())
+    }
+
+    /// Where bucket `i`'s chunk starts in the shard's state (its chunks lie back to back).
+    fn shard_offset(&self, i: usize) -> usize {
+        self.own[..i].iter().map(|r| r.len()).sum()
     }
 
     /// Backward of the last micro-batch of a step, from a `forward_staged` pass: the heads
@@ -145,31 +227,94 @@ impl GradSync {
         &mut self,
         loss: &Tensor,
         boundaries: &[Boundary],
-        flat: &FlatParams,
+        opt: &Optimizer,
         dist: &Dist,
     ) -> Result<()> {
         loss.backward();
-        self.launch_ready(flat, dist, 1)?;
+        self.launch_ready(opt, dist, 1)?;
         let layers = boundaries.len();
         for (k, b) in boundaries.iter().enumerate().rev() {
             // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
             if b.below.requires_grad() {
                 (&b.below * b.leaf.grad()).sum(Kind::Float).backward();
             }
-            self.launch_ready(flat, dist, layers + 1 - k)?;
+            self.launch_ready(opt, dist, layers + 1 - k)?;
         }
         Ok(())
     }
 
     /// Launches the buckets not launched yet (a rank without a micro-batch in a short last
-    /// step still takes part, with zeros), then waits for every sum: the flat gradient then
-    /// holds the sum over all processes.
-    pub fn finish(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
-        self.launch_ready(flat, dist, usize::MAX)?;
+    /// step still takes part, with zeros), then waits for every sum: the flat gradient (or
+    /// under ZeRO this rank's shard of it) then holds the sum over all processes.
+    pub fn finish(&mut self, opt: &Optimizer, dist: &Dist) -> Result<()> {
+        self.launch_ready(opt, dist, usize::MAX)?;
         for (i, pending) in std::mem::take(&mut self.pending).into_iter().enumerate() {
-            self.bufs[i] = pending.wait(dist)?;
+            let send = pending.wait(dist)?;
+            if self.zero_stage == 0 {
+                self.bufs[i] = send;
+            }
         }
         Ok(())
+    }
+
+    /// Under ZeRO, after the optimizer step: every rank's updated chunks of the parameters
+    /// gathered into every rank's copy, all buckets in flight at once.
+    pub fn gather_params(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+        if self.zero_stage == 0 {
+            return Ok(());
+        }
+        // SAFETY: the optimizer is done with the parameters, and no libtorch op runs on them
+        // until the gathers have been waited for below; the buckets cut the buffer into
+        // disjoint pieces, in order.
+        let mut rest = unsafe { flat.params_mut() };
+        let mut pending = Vec::with_capacity(self.buckets.len());
+        for (i, b) in self.buckets.iter().enumerate() {
+            let (bucket, tail) = std::mem::take(&mut rest).split_at_mut(b.elems.len());
+            rest = tail;
+            let own = self.own[i].start - b.elems.start..self.own[i].end - b.elems.start;
+            let mine = bucket[own].to_vec();
+            let what = format!("parameter bucket {i} of step {}", self.step);
+            // SAFETY: see above.
+            pending.push(unsafe { dist.start_all_gather_into(what, mine, bucket)? });
+        }
+        for p in pending {
+            p.wait(dist)?;
+        }
+        Ok(())
+    }
+
+    /// The moments of a sharded optimizer gathered whole on rank 0, a bucket at a time (no
+    /// rank holds more than one bucket of another rank's state): what a checkpoint saves, the
+    /// same whatever the stage and world size. None on the other ranks.
+    pub fn gather_moments(
+        &self,
+        moments: &[(String, Tensor)],
+        dist: &Dist,
+    ) -> Result<Option<Vec<(String, Tensor)>>> {
+        let numel = self.buckets.last().map_or(0, |b| b.elems.end);
+        let mut whole = Vec::with_capacity(moments.len());
+        for (name, shard) in moments {
+            let full = dist
+                .is_root()
+                .then(|| Tensor::zeros([numel as i64], (Kind::Float, tch::Device::Cpu)));
+            for (i, b) in self.buckets.iter().enumerate() {
+                let at = self.shard_offset(i) as i64;
+                let mine = shard.narrow(0, at, self.own[i].len() as i64);
+                let mine = Vec::<f32>::try_from(&mine)?;
+                let what = format!("optimizer state {name}, bucket {i}");
+                let parts = dist.all_gather_f32(&what, mine)?;
+                if let Some(full) = &full {
+                    let mut at = b.elems.start as i64;
+                    for part in parts {
+                        let len = part.len() as i64;
+                        full.narrow(0, at, len).copy_(&Tensor::from_slice(&part));
+                        at += len;
+                    }
+                }
+            }
+            whole.extend(full.map(|full| (name.clone(), full)));
+        }
+        Ok(dist.is_root().then_some(whole))
     }
 }
 

@@ -149,8 +149,9 @@ fn continue_data_position(state: &mut TrainerState, plan: &BatchPlan, allow: boo
 }
 
 /// The f64 values every step sums over the processes besides the gradient: the loss, the
-/// real tokens, and a flag for each stop signal (SIGTERM, SIGINT).
-pub const STEP_TOTALS: usize = 4;
+/// real tokens, a flag for each stop signal (SIGTERM, SIGINT), and under ZeRO the gradient's
+/// sum of squares over each rank's shard (0 otherwise).
+pub const STEP_TOTALS: usize = 5;
 
 /// The dropout stream's seed for one micro-batch: the same on every rank for the same
 /// micro-batch of the global batch. Part of the training order that tests/golden.rs pins.
@@ -236,8 +237,14 @@ impl<'a> Trainer<'a> {
             batch_plan(config, dist.topo.world, p.train.len())?;
         let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
         agree_and_broadcast(dist, config, &flat, p.train.len())?;
-        let sync = GradSync::new(&flat, &p.model, config);
+        let sync = GradSync::new(&flat, &p.model, config, dist);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
+        if sync.zero_stage() > 0 {
+            let shard = sync.shard(opt.flat.numel() as usize);
+            let own_grads = sync.reduces_every_micro_batch();
+            opt.adamw = AdamW::sharded(opt.adamw.config, &opt.flat, shard, own_grads);
+        }
+        announce_zero(config, dist, &opt);
         if config.runtime.sparse_embedding_updates {
             defer_embedding_rows(&mut p.model, &mut opt, root);
         }
@@ -335,20 +342,44 @@ impl<'a> Trainer<'a> {
         let distributed = self.dist.topo.world > 1;
         let sent_before = self.dist.bytes_sent();
         let (mut times, mut loss_sum, mut tokens) = (StepTimes::default(), 0.0, 0usize);
-        self.sync.begin(self.state.global_step + 1);
-        for (m, indices) in micro.iter().enumerate() {
-            // The last micro-batch of a step, with several processes, runs backward stage by
-            // stage so each gradient bucket leaves as soon as it is complete.
-            let staged = distributed && m + 1 == micro.len();
-            let (loss, real_tokens) =
-                self.micro_step(m, indices, micro_in_step, staged, &mut times)?;
-            loss_sum += loss;
-            tokens += real_tokens;
+        let step = self.state.global_step + 1;
+        self.sync.begin(step);
+        // ZeRO stage 2 reduces every micro-batch, so every rank takes part in as many rounds
+        // as rank 0 has micro-batches (the first ranks have the most), with zeros where it
+        // has none left.
+        let every = distributed && self.sync.reduces_every_micro_batch();
+        let rounds = match every {
+            true => self.plan.micro_batches(global, 0).len(),
+            false => micro.len(),
+        };
+        for m in 0..rounds {
+            if let Some(indices) = micro.get(m) {
+                // The last micro-batch of a step, with several processes, runs backward stage
+                // by stage so each gradient bucket leaves as soon as it is complete.
+                let staged = distributed && (every || m + 1 == micro.len());
+                let (loss, real_tokens) =
+                    self.micro_step(m, indices, micro_in_step, staged, &mut times)?;
+                loss_sum += loss;
+                tokens += real_tokens;
+            }
+            if every {
+                let t = Instant::now();
+                self.sync.finish(&self.opt, self.dist)?;
+                self.sync.begin(step);
+                times.comm_exposed += t.elapsed().as_secs_f64();
+            }
         }
         let t = Instant::now();
-        if distributed {
-            self.sync.finish(&self.opt.flat, self.dist)?;
+        if distributed && !every {
+            self.sync.finish(&self.opt, self.dist)?;
         }
+        let sharded = self.sync.zero_stage() > 0;
+        // Under ZeRO each rank holds its shard of the summed gradient: the ranks add up the
+        // squares of the global norm with the step's totals.
+        let square_sum = match sharded {
+            true => self.opt.adamw.shard_grad_square_sum(&self.opt.flat),
+            false => 0.0,
+        };
         // A stop signal on any process reaches all of them with the step's sums.
         let signal = signals::received();
         let flag = |s: i32| f64::from(u8::from(signal == Some(s)));
@@ -357,12 +388,21 @@ impl<'a> Trainer<'a> {
             tokens as f64,
             flag(libc::SIGTERM),
             flag(libc::SIGINT),
+            square_sum,
         ];
         let totals = self.dist.allreduce_sum_f64("step loss", totals.to_vec())?;
         times.comm_exposed += t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let update = self.opt.step(self.state.global_step);
+        let update = match sharded {
+            true => self
+                .opt
+                .step_with_norm(self.state.global_step, totals[4].sqrt()),
+            false => self.opt.step(self.state.global_step),
+        };
         times.optimizer += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        self.sync.gather_params(&self.opt.flat, self.dist)?;
+        times.comm_exposed += t.elapsed().as_secs_f64();
         if !totals[0].is_finite() {
             bail!(
                 "loss became {} at step {}",
@@ -429,7 +469,7 @@ impl<'a> Trainer<'a> {
         let t = Instant::now();
         if staged {
             self.sync
-                .backward_staged(&loss, &boundaries, &self.opt.flat, self.dist)?;
+                .backward_staged(&loss, &boundaries, &self.opt, self.dist)?;
         } else {
             loss.backward();
         }
@@ -477,24 +517,38 @@ impl<'a> Trainer<'a> {
             || last
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
-        if self.dist.is_root() && save_now {
-            self.save_checkpoint()?;
+        if save_now {
+            // Every rank's share of the optimizer state, gathered on rank 0, which saves.
+            let moments = self.whole_moments()?;
+            if let Some(moments) = moments {
+                self.save_checkpoint(&moments)?;
+            }
         }
         Ok(())
+    }
+
+    /// The AdamW moments over the whole model, as checkpoints save them: on rank 0 (None on
+    /// the others), gathered from every rank's shard under ZeRO.
+    fn whole_moments(&mut self) -> Result<Option<Vec<(String, tch::Tensor)>>> {
+        self.opt.settle(); // lazily updated rows, up to this step
+        let moments = self.opt.adamw.moments();
+        if self.sync.zero_stage() > 0 {
+            return self.sync.gather_moments(&moments, self.dist);
+        }
+        Ok(self.dist.is_root().then(|| moments.into_iter().collect()))
     }
 
     /// Rank 0 saves a checkpoint of this step. A failed save has left every earlier checkpoint
     /// as it was; it ends the run or, with `train.on_save_error = "continue"`, is reported
     /// (log, metrics.jsonl) and training goes on.
-    fn save_checkpoint(&mut self) -> Result<()> {
+    fn save_checkpoint(&mut self, moments: &[(String, tch::Tensor)]) -> Result<()> {
         let (tc, step) = (&self.config.train, self.state.global_step);
-        self.opt.settle(); // lazily updated rows, up to this step
         let started = Instant::now();
         let saved = checkpoint::save_checkpoint(
             &self.out,
             &self.files(),
             &self.state,
-            &self.opt.adamw.moments(),
+            moments,
             tc.save_total_limit,
         );
         match saved {
@@ -734,6 +788,27 @@ impl<'a> Trainer<'a> {
         })
     }
 }
+/// Says, once, what ZeRO shards on this run.
+fn announce_zero(config: &Config, dist: &Dist, opt: &Optimizer) {
+    let stage = config.dist.zero_stage;
+    if stage == 0 || !dist.is_root() {
+        return;
+    }
+    if dist.topo.world == 1 {
+        tracing::info!("dist.zero_stage = {stage}: one process, nothing to shard");
+        return;
+    }
+    let (all, mine) = (opt.flat.numel(), opt.adamw.shard().numel());
+    let what = match stage {
+        1 => "optimizer state",
+        _ => "optimizer state and gradients",
+    };
+    tracing::info!(
+        "ZeRO stage {stage}: {what} sharded over {} processes (rank 0 keeps {mine} of {all} parameters' state)",
+        dist.topo.world
+    );
+}
+
 /// The trainer state this run starts from: a new one, or the checkpoint's (its AdamW moments
 /// restored into `opt`, its data position carried over to this run's batch plan).
 fn start_state(
