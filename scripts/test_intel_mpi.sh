@@ -22,4 +22,4 @@ export LD_LIBRARY_PATH="$shim:$impi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPRTRAIN_MPIRUN="$impi/bin/mpiexec.hydra"
 echo "==> $("$SPRTRAIN_MPIRUN" --version 2>&1 | head -n 1)"
 echo "==> the binary's MPI under it: $("$SPRTRAIN_MPIRUN" -n 1 target/release/sprtrain env | grep '^MPI')"
-cargo test --release --test mpi --test mpi_qa --test cluster -- --test-threads 1
+cargo test --release --test mpi --test mpi_qa --test zero --test cluster -- --test-threads 1
