@@ -307,6 +307,11 @@ pub struct TrainConfig {
     pub adam_epsilon: f64,
     /// Clip gradients to this global L2 norm; 0 = no clipping.
     pub max_grad_norm: f64,
+    /// Activation checkpointing (transformers' name): every layer but the last keeps only its
+    /// input in forward and runs again in backward, its dropout masks redrawn from the same
+    /// seeds: the same losses and gradients for about one layer's activations instead of all
+    /// of them, at the cost of a second forward pass of the layers.
+    pub gradient_checkpointing: bool,
     /// Learning-rate schedule after warmup: "linear", "cosine" or "constant".
     pub lr_scheduler: crate::optim::ScheduleKind,
     /// Warmup steps (wins over `warmup_ratio` when > 0).
@@ -407,6 +412,7 @@ impl Default for TrainConfig {
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
             max_grad_norm: 1.0,
+            gradient_checkpointing: false,
             lr_scheduler: crate::optim::ScheduleKind::Linear,
             warmup_steps: 0,
             warmup_ratio: 0.0,

@@ -98,6 +98,10 @@ fn stages_1_and_2_equal_stage_0_on_an_encoder() {
             let (_, bf0) = run(0, &["dist.reduce_dtype=bf16"]);
             let (_, bf1) = run(1, &["dist.reduce_dtype=bf16"]);
             assert_same_run("2 ranks, bf16 wire, stage 1", &bf1, &bf0);
+            // Activation checkpointing composes: every micro-batch cut into stages and
+            // recomputed, the buckets launched as backward completes them.
+            let (_, ck) = run(2, &["train.gradient_checkpointing=true"]);
+            assert_same_run("2 ranks, stage 2, activation checkpointing", &ck, &base);
         }
     }
 }
@@ -136,7 +140,8 @@ fn bytes_per_step(out: &Path) -> Vec<f64> {
 }
 
 /// The tiny Llama (grouped-query attention, rotary positions, tied embeddings) at stage 2
-/// equals stage 0, and so does LoRA at stages 1 and 2, where only the adapters are sharded.
+/// equals stage 0, and so does LoRA at stages 1 and 2 (with activation checkpointing at 2),
+/// where only the adapters are sharded.
 /// LoRA's adapters are 896 values (see tests/mpi.rs), in one bucket: stage 1 sends a
 /// reduce-scatter and an all-gather of them, as many bytes as stage 0's allreduce.
 #[test]
@@ -164,7 +169,15 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
     let totals = allreduce_bytes(STEP_TOTALS, 8, 2);
     for stage in [1u8, 2] {
         let (c, out) = llama_config(dir, &format!("lora-stage{stage}"), true);
-        train(&mpirun, 2, &c, &[format!("dist.zero_stage={stage}")]);
+        // Stage 2 with activation checkpointing too (LoRA's frozen embeddings end the
+        // recomputation a stage early).
+        let checkpointing = format!("train.gradient_checkpointing={}", stage == 2);
+        train(
+            &mpirun,
+            2,
+            &c,
+            &[format!("dist.zero_stage={stage}"), checkpointing],
+        );
         let (l, w) = (losses(&out), losses(&lora0));
         let worst = max_rel_diff(&l, &w);
         let wmax = max_weight_diff(&adapters(&out), &adapters(&lora0));

@@ -9,7 +9,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::hf_config::{Activation, DebertaSettings, HfConfig};
 use super::layers::{activate, dropout, Embedding, LayerNorm, Linear};
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack, EncoderInputs, Stages};
 
 /// `build_relative_position`: (T, T) query position minus key position, log-bucketed as
 /// `make_log_bucket_position` does (in fp32, as there) when `buckets` > 0.
@@ -315,14 +315,14 @@ impl DebertaEncoder {
         }
     }
 
-    /// The last hidden state, (B, T, C); with `boundaries`, cut at every layer's input (the
+    /// The last hidden state, (B, T, C); with `stages`, cut at every layer's input (the
     /// relative table's LayerNorm is recomputed in each layer, so every stage has its own
     /// graph to it).
-    pub fn forward_staged(
-        &self,
+    pub fn forward_staged<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> Tensor {
         let mask = &inputs.attention_mask; // (B, T)
         let (b, t) = mask.size2().expect("attention mask is (B, T)");
@@ -343,8 +343,8 @@ impl DebertaEncoder {
         run_stack(
             self.embeddings.forward(inputs, train),
             &self.layers,
-            boundaries,
-            |layer, x| layer.forward(x, &ctx, train),
+            stages,
+            move |layer, x| layer.forward(x, &ctx, train),
         )
     }
 }

@@ -9,7 +9,7 @@ use super::layers::{
     activate, attention_inputs, dropout, key_mask, multi_head_attention, Embedding, LayerNorm,
     Linear, Positions,
 };
-use super::{run_stack_reading, Boundary, EncoderInputs};
+use super::{run_stack_reading, EncoderInputs, Stages};
 
 /// `Embeddings`: word + position, LayerNorm, dropout (no token types).
 #[derive(Debug)]
@@ -173,23 +173,23 @@ impl DistilBertEncoder {
     }
 
     /// As `forward`, the last hidden state at the positions `read` ((B, 1, C) for the first
-    /// only); with `boundaries`, each layer's input is cut from the graph (a leaf that
+    /// only); with `stages`, each layer's input is cut from the graph (a leaf that
     /// requires grad) and recorded with the tensor it was cut from, so backward can run layer
     /// by layer (see `TaskModel::forward_staged`).
-    pub fn forward_staged(
-        &self,
+    pub fn forward_staged<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
         read: Positions,
     ) -> Tensor {
         let mask = key_mask(&inputs.attention_mask);
         run_stack_reading(
             self.embeddings.forward(&inputs.input_ids, train),
             &self.layers,
-            boundaries,
+            stages,
             read,
-            |layer, x, positions| layer.forward(x, &mask, train, positions),
+            move |layer, x, positions| layer.forward(x, &mask, train, positions),
         )
     }
 }

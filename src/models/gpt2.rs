@@ -9,7 +9,7 @@ use super::hf_config::{Activation, HfConfig};
 use super::layers::{
     activate, causal_attention, dropout, CausalMask, Conv1D, Embedding, KvCache, LayerNorm,
 };
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack, EncoderInputs, Stages};
 
 /// `GPT2Block`: `ln_1`, `attn.{c_attn,c_proj}`, `ln_2`, `mlp.{c_fc,c_proj}`.
 #[derive(Debug)]
@@ -121,12 +121,12 @@ impl Gpt2Model {
         &mut self.wte
     }
 
-    /// The final hidden state (B, T, C); with `boundaries`, cut at each block's input.
-    pub fn forward_staged(
-        &self,
+    /// The final hidden state (B, T, C); with `stages`, cut at each block's input.
+    pub fn forward_staged<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> Tensor {
         let ids = &inputs.input_ids; // (B, T)
         let t = ids.size()[1];
@@ -134,7 +134,7 @@ impl Gpt2Model {
         let x = self.wte.forward(ids) + self.wpe.forward(&positions); // (B, T, C)
         let x = dropout(&x, self.embedding_dropout, train);
         let mask = CausalMask::new(&inputs.attention_mask, None);
-        let x = run_stack(x, &self.h, boundaries, |block, x| {
+        let x = run_stack(x, &self.h, stages, move |block, x| {
             block.forward(x, &mask, None, train)
         });
         self.ln_f.forward(&x)

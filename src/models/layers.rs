@@ -23,6 +23,17 @@ pub fn seed_dropout(seed: u64) {
     DROPOUT_STREAM.with(|s| s.set((seed, 0)));
 }
 
+/// Where this thread's dropout stream stands: what [`set_dropout_stream`] takes to draw the
+/// same masks again (activation checkpointing's recomputation).
+pub fn dropout_stream() -> (u64, u64) {
+    DROPOUT_STREAM.with(|s| s.get())
+}
+
+/// Puts this thread's dropout stream back where [`dropout_stream`] saw it.
+pub fn set_dropout_stream(position: (u64, u64)) {
+    DROPOUT_STREAM.with(|s| s.set(position));
+}
+
 /// The seed of the next dropout mask (splitmix64 of the stream position).
 fn next_dropout_seed() -> i64 {
     let (seed, n) = DROPOUT_STREAM.with(|s| {

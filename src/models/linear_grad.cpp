@@ -37,8 +37,10 @@ using torch::autograd::variable_list;
 // Whether `param`'s .grad can take its gradient in place: a leaf's dense, contiguous .grad of
 // its own dtype and shape (sprtrain's flat-buffer views).
 bool grad_in_place(const at::Tensor& param) {
+  // Not a leaf (GPT-2's transposed Conv1D weights): asking for its .grad would only warn.
+  if (!param.is_leaf()) return false;
   const at::Tensor& grad = param.grad();
-  return param.is_leaf() && grad.defined() && grad.scalar_type() == param.scalar_type() &&
+  return grad.defined() && grad.scalar_type() == param.scalar_type() &&
          grad.sizes() == param.sizes() && grad.is_contiguous() && !grad.is_sparse();
 }
 

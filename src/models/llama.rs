@@ -14,7 +14,7 @@ use super::layers::{
     activate, causal_attention, fused_projection, qkv_projection, CausalMask, Embedding, KvCache,
     Linear, RmsNorm,
 };
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack, EncoderInputs, Stages};
 
 /// RoPE's inverse frequencies (D/2), as transformers' `ROPE_INIT_FUNCTIONS` compute them.
 pub fn inverse_frequencies(rope: &Rope, head_dim: i64) -> Vec<f64> {
@@ -239,19 +239,19 @@ impl LlamaModel {
         &mut self.embed_tokens
     }
 
-    /// The final hidden state (B, T, C); with `boundaries`, cut at each layer's input.
-    pub fn forward_staged(
-        &self,
+    /// The final hidden state (B, T, C); with `stages`, cut at each layer's input.
+    pub fn forward_staged<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> Tensor {
         let ids = &inputs.input_ids; // (B, T)
         let t = ids.size()[1];
         let x = self.embed_tokens.forward(ids); // (B, T, C)
         let rope = self.rotary.tables(0, t);
         let mask = CausalMask::new(&inputs.attention_mask, self.sliding_window);
-        let x = run_stack(x, &self.layers, boundaries, |layer, x| {
+        let x = run_stack(x, &self.layers, stages, move |layer, x| {
             layer.forward(x, &rope, &mask, None, train)
         });
         self.norm.forward(&x)

@@ -85,49 +85,122 @@ pub enum Labels {
 }
 
 /// A cut between two backward stages: `leaf` (a layer's input, cut from the graph) and
-/// `below`, the tensor it was cut from (the output of the stage underneath).
-#[derive(Debug)]
-pub struct Boundary {
+/// `below`, the tensor it was cut from (the output of the stage underneath). Under activation
+/// checkpointing that output was computed without a graph, and `recompute` runs the layer
+/// underneath again, with one, when backward reaches it.
+pub struct Boundary<'a> {
     pub leaf: Tensor,
-    pub below: Tensor,
+    below: Tensor,
+    recompute: Option<Recompute<'a>>,
 }
 
-/// Runs `layers` in order from `x`; with `boundaries`, cuts the graph at each layer's input
+/// One layer's forward again from its saved input, with its dropout masks redrawn from where
+/// the first pass drew them.
+type Recompute<'a> = Box<dyn Fn() -> Tensor + 'a>;
+
+impl Boundary<'_> {
+    /// The output of the stage underneath, with its graph: as recorded, or computed again
+    /// (activation checkpointing).
+    pub fn below(&self) -> Tensor {
+        match &self.recompute {
+            Some(again) => again(),
+            None => self.below.shallow_clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Boundary<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Boundary")
+            .field("leaf", &self.leaf.size())
+            .field("recomputed", &self.recompute.is_some())
+            .finish()
+    }
+}
+
+/// A forward pass cut into backward stages: the cut at each layer's input, and whether the
+/// layers below the last keep only their input, to be run again in backward (activation
+/// checkpointing, transformers' `gradient_checkpointing`).
+pub struct Stages<'a> {
+    pub cuts: Vec<Boundary<'a>>,
+    checkpoint: bool,
+}
+
+/// Backward of a forward pass cut into `stages`: `loss.backward()` (the heads and the last
+/// layer: stages 0 and 1, see `TaskModel::backward_stage`), then from the top cut down
+/// `(below * leaf.grad()).sum().backward()`, the layer underneath recomputed first under
+/// checkpointing. `after(done)` runs once backward has completed stages 0..=done.
+pub fn backward_by_stages(
+    loss: &Tensor,
+    stages: &Stages,
+    mut after: impl FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    loss.backward();
+    after(1)?;
+    let layers = stages.cuts.len();
+    for (k, cut) in stages.cuts.iter().enumerate().rev() {
+        let below = cut.below();
+        // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
+        if below.requires_grad() {
+            (&below * cut.leaf.grad()).sum(tch::Kind::Float).backward();
+        }
+        after(layers + 1 - k)?;
+    }
+    Ok(())
+}
+
+/// Runs `layers` in order from `x`; with `stages`, cuts the graph at each layer's input
 /// (a leaf that requires grad) and records the cut, for backward by stages.
-fn run_stack<L>(
+fn run_stack<'a, L>(
     x: Tensor,
-    layers: &[L],
-    boundaries: Option<&mut Vec<Boundary>>,
-    forward: impl Fn(&L, &Tensor) -> Tensor,
+    layers: &'a [L],
+    stages: Option<&mut Stages<'a>>,
+    forward: impl Fn(&L, &Tensor) -> Tensor + 'a,
 ) -> Tensor {
-    run_stack_reading(x, layers, boundaries, Positions::All, |layer, x, _| {
+    run_stack_reading(x, layers, stages, Positions::All, move |layer, x, _| {
         forward(layer, x)
     })
 }
 
-/// As [`run_stack`], the last layer computing only the positions `read` of its output.
-fn run_stack_reading<L>(
+/// As [`run_stack`], the last layer computing only the positions `read` of its output. Under
+/// checkpointing every layer but the last runs without a graph, its input kept for backward.
+fn run_stack_reading<'a, L>(
     mut x: Tensor,
-    layers: &[L],
-    mut boundaries: Option<&mut Vec<Boundary>>,
+    layers: &'a [L],
+    mut stages: Option<&mut Stages<'a>>,
     read: Positions,
-    forward: impl Fn(&L, &Tensor, Positions) -> Tensor,
+    forward: impl Fn(&L, &Tensor, Positions) -> Tensor + 'a,
 ) -> Tensor {
+    let forward = std::rc::Rc::new(forward);
+    let checkpoint = stages.as_ref().is_some_and(|s| s.checkpoint);
+    // How to compute `x` again, with a graph, when it came from a checkpointed layer.
+    let mut again: Option<Recompute<'a>> = None;
     for (i, layer) in layers.iter().enumerate() {
-        let positions = if i + 1 == layers.len() {
-            read
-        } else {
-            Positions::All
-        };
-        if let Some(b) = boundaries.as_deref_mut() {
+        let last = i + 1 == layers.len();
+        let positions = if last { read } else { Positions::All };
+        if let Some(s) = stages.as_deref_mut() {
             let leaf = x.detach().set_requires_grad(true);
-            b.push(Boundary {
+            s.cuts.push(Boundary {
                 leaf: leaf.shallow_clone(),
                 below: x,
+                recompute: again.take(),
             });
             x = leaf;
         }
-        x = forward(layer, &x, positions);
+        if checkpoint && !last {
+            let (input, stream) = (x.shallow_clone(), layers::dropout_stream());
+            x = tch::no_grad(|| forward(layer, &x, positions));
+            let forward = forward.clone();
+            again = Some(Box::new(move || {
+                let now = layers::dropout_stream();
+                layers::set_dropout_stream(stream);
+                let out = forward(layer, &input, positions);
+                layers::set_dropout_stream(now);
+                out
+            }));
+        } else {
+            x = forward(layer, &x, positions);
+        }
     }
     x
 }
@@ -383,14 +456,22 @@ impl TaskModel {
     /// last layer, see `backward_stage`), and for boundary k = L-1 down to 0,
     /// `(below * leaf.grad()).sum().backward()` yields stage L + 1 - k — the same gradients as
     /// one backward pass, available layer by layer.
+    ///
+    /// With `checkpoint`, every layer but the last keeps only its input and runs again in
+    /// backward ([`backward_by_stages`]): the same values (its dropout masks are redrawn from
+    /// the same seeds), for a layer's activations instead of all of them.
     pub fn forward_staged(
         &self,
         inputs: &EncoderInputs,
         train: bool,
-    ) -> (ModelOutput, Vec<Boundary>) {
-        let mut boundaries = Vec::new();
-        let out = self.forward_impl(inputs, train, Some(&mut boundaries));
-        (out, boundaries)
+        checkpoint: bool,
+    ) -> (ModelOutput, Stages<'_>) {
+        let mut stages = Stages {
+            cuts: Vec::new(),
+            checkpoint,
+        };
+        let out = self.forward_impl(inputs, train, Some(&mut stages));
+        (out, stages)
     }
 
     /// The positions of the last hidden state the head reads: the first only for the
@@ -416,13 +497,13 @@ impl TaskModel {
         }
     }
 
-    fn forward_impl(
-        &self,
+    fn forward_impl<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> ModelOutput {
-        let (hidden, pooled) = self.backbone_forward(inputs, train, boundaries);
+        let (hidden, pooled) = self.backbone_forward(inputs, train, stages);
         let logits = match &self.head_layers {
             HeadLayers::None => hidden.shallow_clone(),
             HeadLayers::Classifier(head) => head.forward(&hidden, pooled, inputs, train),
@@ -458,28 +539,28 @@ impl TaskModel {
 
     /// The backbone's last hidden state (B, T, C), and the pooled first token (B, C) where the
     /// model has a pooler.
-    fn backbone_forward(
-        &self,
+    fn backbone_forward<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> (Tensor, Option<Tensor>) {
         let read = self.positions_read();
         match &self.backbone {
             Backbone::Bert { encoder, pooler } => {
-                let hidden = encoder.forward_staged(inputs, train, boundaries, read);
+                let hidden = encoder.forward_staged(inputs, train, stages, read);
                 let pooled = pooler.as_ref().map(|p| p.forward(&hidden));
                 (hidden, pooled)
             }
-            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, boundaries, read), None),
-            Backbone::ModernBert(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::DistilBert(e) => (e.forward_staged(inputs, train, stages, read), None),
+            Backbone::ModernBert(m) => (m.forward_staged(inputs, train, stages), None),
             Backbone::Deberta { encoder, pooler } => {
-                let hidden = encoder.forward_staged(inputs, train, boundaries);
+                let hidden = encoder.forward_staged(inputs, train, stages);
                 let pooled = pooler.as_ref().map(|p| p.forward(&hidden, train));
                 (hidden, pooled)
             }
-            Backbone::Gpt2(m) => (m.forward_staged(inputs, train, boundaries), None),
-            Backbone::Llama(m) => (m.forward_staged(inputs, train, boundaries), None),
+            Backbone::Gpt2(m) => (m.forward_staged(inputs, train, stages), None),
+            Backbone::Llama(m) => (m.forward_staged(inputs, train, stages), None),
         }
     }
 

@@ -12,7 +12,7 @@ use super::layers::{
     activate, causal_attention, dropout, CausalMask, Embedding, LayerNorm, Linear,
 };
 use super::llama::{apply_rotary, Rotary};
-use super::{run_stack, Boundary, EncoderInputs};
+use super::{run_stack, EncoderInputs, Stages};
 
 /// `ModernBertEncoderLayer`: `attn_norm` (none in layer 0), `attn.{Wqkv,Wo}`, `mlp_norm`,
 /// `mlp.{Wi,Wo}`.
@@ -135,13 +135,13 @@ impl ModernBertModel {
         &mut self.tok_embeddings
     }
 
-    /// The last hidden state (after `final_norm`), (B, T, C); with `boundaries`, cut at every
+    /// The last hidden state (after `final_norm`), (B, T, C); with `stages`, cut at every
     /// layer's input.
-    pub fn forward_staged(
-        &self,
+    pub fn forward_staged<'a>(
+        &'a self,
         inputs: &EncoderInputs,
         train: bool,
-        boundaries: Option<&mut Vec<Boundary>>,
+        stages: Option<&mut Stages<'a>>,
     ) -> Tensor {
         let ids = &inputs.input_ids;
         let (b, t) = ids.size2().expect("input ids are (B, T)");
@@ -165,7 +165,7 @@ impl ModernBertModel {
             self.embedding_dropout,
             train,
         );
-        let x = run_stack(x, &self.layers, boundaries, |layer, x| {
+        let x = run_stack(x, &self.layers, stages, move |layer, x| {
             layer.forward(x, &ctx, train)
         });
         self.final_norm.forward(&x)

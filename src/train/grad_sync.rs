@@ -18,7 +18,7 @@ use tch::{Kind, Tensor};
 
 use crate::config::{Config, ReduceDtype};
 use crate::dist::{chunk, Dist, Pending};
-use crate::models::{Boundary, TaskModel};
+use crate::models::{backward_by_stages, Stages, TaskModel};
 use crate::optim::{FlatParams, Optimizer, Shard, Slot};
 
 /// A run of whole parameters reduced together: elements of the flat buffer and the slots
@@ -220,27 +220,17 @@ impl GradSync {
         self.own[..i].iter().map(|r| r.len()).sum()
     }
 
-    /// Backward of the last micro-batch of a step, from a `forward_staged` pass: the heads
-    /// and last layer first, then one layer at a time down to the embeddings, each bucket
-    /// launched as soon as backward has completed it.
+    /// Backward of the last micro-batch of a step (under ZeRO stage 2, of every one), from a
+    /// `forward_staged` pass: the heads and last layer first, then one layer at a time down to
+    /// the embeddings, each bucket launched as soon as backward has completed it.
     pub fn backward_staged(
         &mut self,
         loss: &Tensor,
-        boundaries: &[Boundary],
+        stages: &Stages,
         opt: &Optimizer,
         dist: &Dist,
     ) -> Result<()> {
-        loss.backward();
-        self.launch_ready(opt, dist, 1)?;
-        let layers = boundaries.len();
-        for (k, b) in boundaries.iter().enumerate().rev() {
-            // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
-            if b.below.requires_grad() {
-                (&b.below * b.leaf.grad()).sum(Kind::Float).backward();
-            }
-            self.launch_ready(opt, dist, layers + 1 - k)?;
-        }
-        Ok(())
+        backward_by_stages(loss, stages, |done| self.launch_ready(opt, dist, done))
     }
 
     /// Launches the buckets not launched yet (a rank without a micro-batch in a short last

@@ -31,7 +31,7 @@ use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
 use crate::data::masking::Masking;
 use crate::dist::Dist;
 use crate::models::layers::{seed_dropout, AutocastGuard};
-use crate::models::TaskModel;
+use crate::models::{backward_by_stages, TaskModel};
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::tensorboard::EventWriter;
 use crate::report::{MetricsLog, Progress};
@@ -459,19 +459,24 @@ impl<'a> Trainer<'a> {
         let seed = self.config.runtime.seed;
         seed_dropout(dropout_seed(seed, self.state.global_step, micro_index));
         self.opt.catch_up(&inputs.input_ids)?;
-        let (output, boundaries) = if staged {
-            self.model.forward_staged(&inputs, true)
-        } else {
-            (self.model.forward(&inputs, true), Vec::new())
+        // Activation checkpointing needs the pass cut into stages, to recompute them.
+        let checkpoint = self.config.train.gradient_checkpointing;
+        let (output, stages) = match staged || checkpoint {
+            true => {
+                let (output, stages) = self.model.forward_staged(&inputs, true, checkpoint);
+                (output, Some(stages))
+            }
+            false => (self.model.forward(&inputs, true), None),
         };
         let loss = self.model.loss(&output, &labels)? / micro_in_step;
         times.forward += t.elapsed().as_secs_f64();
         let t = Instant::now();
-        if staged {
-            self.sync
-                .backward_staged(&loss, &boundaries, &self.opt, self.dist)?;
-        } else {
-            loss.backward();
+        match (&stages, staged) {
+            (Some(stages), true) => self
+                .sync
+                .backward_staged(&loss, stages, &self.opt, self.dist)?,
+            (Some(stages), false) => backward_by_stages(&loss, stages, |_| Ok(()))?,
+            (None, _) => loss.backward(),
         }
         times.backward += t.elapsed().as_secs_f64();
         Ok((loss.double_value(&[]), real_tokens))
