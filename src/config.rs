@@ -307,10 +307,10 @@ pub struct TrainConfig {
     pub adam_epsilon: f64,
     /// Clip gradients to this global L2 norm; 0 = no clipping.
     pub max_grad_norm: f64,
-    /// Activation checkpointing (transformers' name): every layer but the last keeps only its
-    /// input in forward and runs again in backward, its dropout masks redrawn from the same
-    /// seeds: the same losses and gradients for about one layer's activations instead of all
-    /// of them, at the cost of a second forward pass of the layers.
+    /// Activation checkpointing (transformers' name): every layer keeps only its input in
+    /// forward and runs again in backward, its dropout masks redrawn from the same seeds: the
+    /// same losses and gradients for one layer's activations at a time instead of all of them,
+    /// at the cost of a second forward pass of the layers.
     pub gradient_checkpointing: bool,
     /// Learning-rate schedule after warmup: "linear", "cosine" or "constant".
     pub lr_scheduler: crate::optim::ScheduleKind,

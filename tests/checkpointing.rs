@@ -1,4 +1,4 @@
-//! Activation checkpointing (`train.gradient_checkpointing`): every layer but the last runs
+//! Activation checkpointing (`train.gradient_checkpointing`): every layer runs
 //! without a graph in forward and again in backward, its dropout masks redrawn from the same
 //! seeds. For every family (and the heads that read only the first token), with dropout on,
 //! the loss and every parameter's gradient equal the uncheckpointed pass's bit for bit: the

@@ -119,25 +119,30 @@ impl std::fmt::Debug for Boundary<'_> {
 }
 
 /// A forward pass cut into backward stages: the cut at each layer's input, and whether the
-/// layers below the last keep only their input, to be run again in backward (activation
-/// checkpointing, transformers' `gradient_checkpointing`).
+/// layers keep only their input, to be run again in backward (activation checkpointing,
+/// transformers' `gradient_checkpointing`); then one more cut, at the last layer's output.
 pub struct Stages<'a> {
     pub cuts: Vec<Boundary<'a>>,
     checkpoint: bool,
 }
 
-/// Backward of a forward pass cut into `stages`: `loss.backward()` (the heads and the last
-/// layer: stages 0 and 1, see `TaskModel::backward_stage`), then from the top cut down
-/// `(below * leaf.grad()).sum().backward()`, the layer underneath recomputed first under
-/// checkpointing. `after(done)` runs once backward has completed stages 0..=done.
+/// Backward of a forward pass cut into `stages`: `loss.backward()` (the heads, and the last
+/// layer unless it is checkpointed: stages 0 and 1, see `TaskModel::backward_stage`), then
+/// from the top cut down `(below * leaf.grad()).sum().backward()`, the layer underneath
+/// recomputed first under checkpointing. `after(done)` runs once backward has completed
+/// stages 0..=done.
 pub fn backward_by_stages(
     loss: &Tensor,
     stages: &Stages,
     mut after: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
     loss.backward();
-    after(1)?;
-    let layers = stages.cuts.len();
+    // Checkpointing adds a cut at the last layer's output: the loss reaches only the heads.
+    let layers = stages
+        .cuts
+        .len()
+        .saturating_sub(usize::from(stages.checkpoint));
+    after(if stages.checkpoint { 0 } else { 1 })?;
     for (k, cut) in stages.cuts.iter().enumerate().rev() {
         let below = cut.below();
         // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
@@ -163,7 +168,8 @@ fn run_stack<'a, L>(
 }
 
 /// As [`run_stack`], the last layer computing only the positions `read` of its output. Under
-/// checkpointing every layer but the last runs without a graph, its input kept for backward.
+/// checkpointing every layer runs without a graph, its input kept for backward, and the last
+/// layer's output is cut too.
 fn run_stack_reading<'a, L>(
     mut x: Tensor,
     layers: &'a [L],
@@ -187,7 +193,7 @@ fn run_stack_reading<'a, L>(
             });
             x = leaf;
         }
-        if checkpoint && !last {
+        if checkpoint {
             let (input, stream) = (x.shallow_clone(), layers::dropout_stream());
             x = tch::no_grad(|| forward(layer, &x, positions));
             let forward = forward.clone();
@@ -201,6 +207,16 @@ fn run_stack_reading<'a, L>(
         } else {
             x = forward(layer, &x, positions);
         }
+    }
+    if let (Some(s), Some(again)) = (stages, again) {
+        // The last layer's output, recomputed when backward has come down from the heads.
+        let leaf = x.detach().set_requires_grad(true);
+        s.cuts.push(Boundary {
+            leaf: leaf.shallow_clone(),
+            below: x,
+            recompute: Some(again),
+        });
+        x = leaf;
     }
     x
 }
@@ -457,9 +473,9 @@ impl TaskModel {
     /// `(below * leaf.grad()).sum().backward()` yields stage L + 1 - k — the same gradients as
     /// one backward pass, available layer by layer.
     ///
-    /// With `checkpoint`, every layer but the last keeps only its input and runs again in
-    /// backward ([`backward_by_stages`]): the same values (its dropout masks are redrawn from
-    /// the same seeds), for a layer's activations instead of all of them.
+    /// With `checkpoint`, every layer keeps only its input and runs again in backward
+    /// ([`backward_by_stages`]): the same values (its dropout masks are redrawn from the same
+    /// seeds), for one layer's activations at a time instead of all of them.
     pub fn forward_staged(
         &self,
         inputs: &EncoderInputs,
