@@ -2,16 +2,18 @@
 # What each ZeRO stage costs and saves, measured (docs/memory.md): a job of 2 ranks on this
 # machine trains Llama-125M (configs/bench/llama-125m-clm.toml: seq 512, batch 1, fp32, one
 # thread a rank) for a few steps at dist.zero_stage 0, 1 and 2, and for each stage prints
-#   - tokens/s (the median of the steps after the first 2) and each rank's peak RSS;
+#   - tokens/s (the median of the steps after the first 2) and each rank's peak RSS, the
+#     stages alternating for `rounds` rounds;
 #   - the least memory the whole job runs in: the smallest memory-cgroup limit (bisected to
-#     0.2 GB) under which it finishes, the kernel taking back what it can (page cache, the
+#     0.2 GB) under which it finishes `steps` steps, the kernel taking back what it can (page cache, the
 #     pages stage 2 marks free) and killing the job where it cannot.
 # Needs root (a memory cgroup, v1 or v2) and a built target/release/sprtrain.
-# usage: sudo scripts/zero_memory.sh [steps (default 6)] [stages (default "0 1 2")]
+# usage: sudo scripts/zero_memory.sh [steps (default 12)] [rounds (default 2)] [stages (default "0 1 2")]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-6}
-stages=${2:-"0 1 2"}
+steps=${1:-12}
+rounds=${2:-2}
+stages=${3:-"0 1 2"}
 bin=target/release/sprtrain
 config=configs/bench/llama-125m-clm.toml
 work=$(mktemp -d)
@@ -48,12 +50,20 @@ print(f"{statistics.median(steps):.0f}")
 PY
 }
 
-echo "| stage | tokens/s | peak RSS per rank (GB) | least memory for the job (GB) |"
+# Throughput: the stages alternate, `rounds` times, without a memory limit.
+declare -A tokens rss
+for round in $(seq "$rounds"); do
+  for stage in $stages; do
+    tag="free$stage-$round"
+    run "$stage" "$unlimited" "$tag" || { echo "stage $stage failed:"; tail -5 "$work/$tag.log"; exit 1; }
+    tokens[$stage]="${tokens[$stage]:-}${tokens[$stage]:+, }$(median_tokens "$work/$tag")"
+    rss[$stage]="${rss[$stage]:-}${rss[$stage]:+, }$(grep -o 'peak RSS [0-9]*' "$work/$tag.log" | awk '{printf "%s%.2f", sep, $3/1048576; sep=" "}')"
+  done
+done
+
+echo "| stage | tokens/s (by round) | peak RSS per rank (GB, by round) | least memory for the job (GB) |"
 echo "| --- | --- | --- | --- |"
 for stage in $stages; do
-  run "$stage" "$unlimited" "free$stage" || { echo "stage $stage failed:"; tail -5 "$work/free$stage.log"; exit 1; }
-  tokens=$(median_tokens "$work/free$stage")
-  rss=$(grep -o 'peak RSS [0-9]*' "$work/free$stage.log" | awk '{printf "%s%.2f", sep, $3/1048576; sep=", "}')
   # Bisect the least limit, in units of 0.2 GB, between 4 GB (too little at every stage)
   # and 8 GB (enough at every stage).
   lo=20 hi=40 try=0
@@ -61,5 +71,5 @@ for stage in $stages; do
     mid=$(((lo + hi) / 2)) try=$((try + 1))
     if run "$stage" "$((mid * 200000000))" "s$stage-$try"; then hi=$mid; else lo=$mid; fi
   done
-  echo "| $stage | $tokens | $rss | $(awk -v h=$hi 'BEGIN{printf "%.1f", h/5}') |"
+  echo "| $stage | ${tokens[$stage]} | ${rss[$stage]} | $(awk -v h=$hi 'BEGIN{printf "%.1f", h/5}') |"
 done

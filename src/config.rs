@@ -644,6 +644,13 @@ pub struct RuntimeConfig {
     /// where MKL runs its generic AVX2 code; "blas+brgemm" on other CPUs with AVX-512; else the
     /// BLAS).
     pub fp32_gemm: Fp32Gemm,
+    /// Before training, estimate each rank's peak memory (weights, gradients, optimizer state,
+    /// activations for the batch and sequence length) and stop with the settings that would
+    /// fit where it exceeds the memory each rank of the node has (docs/memory.md).
+    pub memory_preflight: bool,
+    /// The memory the preflight takes this node to have for all its ranks, in GB; 0 = what
+    /// the kernel reports available (MemAvailable, or a smaller cgroup limit).
+    pub memory_limit_gb: f64,
 }
 
 impl Default for RuntimeConfig {
@@ -657,6 +664,8 @@ impl Default for RuntimeConfig {
             profile_steps: 0,
             profile_start_step: 10,
             fp32_gemm: Fp32Gemm::Auto,
+            memory_preflight: true,
+            memory_limit_gb: 0.0,
         }
     }
 }

@@ -118,8 +118,26 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         dir.display(),
         pretrained.report.loaded
     );
+    print_memory_estimates(&config, &pretrained);
     print!("{}", config.to_toml()?);
     Ok(())
+}
+
+/// The preflight's estimate of a rank's peak at 1 to 8 processes, and this machine's memory.
+fn print_memory_estimates(config: &Config, pretrained: &models::Pretrained) {
+    use sprtrain::train::memory;
+    let shape = memory::ModelShape::of(&pretrained.vs, &pretrained.model);
+    for world in [1, 2, 4, 8] {
+        let run = memory::RunShape::of(config, world);
+        let stage = if world > 1 { run.zero_stage } else { 0 };
+        println!(
+            "# memory a rank needs at {world} process(es), ZeRO stage {stage}: about {}",
+            memory::estimate(&shape, &run).describe()
+        );
+    }
+    if let Some((room, source)) = memory::available_per_rank(config.runtime.memory_limit_gb, 1) {
+        println!("# memory this machine has: {:.1} GB ({source})", room / 1e9);
+    }
 }
 
 fn train(path: &std::path::Path, overrides: &[String], resume: Option<&str>) -> Result<()> {

@@ -334,12 +334,7 @@ fn two_nodes_train_like_one_process_with_accumulation() {
 
     // What metrics.jsonl says each rank sent per step: the fp32 gradient and the step's f64
     // totals, 2 (N-1)/N of each.
-    let metrics = std::fs::read_to_string(out4.join("metrics.jsonl")).unwrap();
-    let per_step: Vec<f64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
-        .collect();
+    let per_step = common::bytes_per_step(&out4);
     let want = sprtrain::dist::allreduce_bytes(params as usize, 4, 4)
         + sprtrain::dist::allreduce_bytes(sprtrain::train::STEP_TOTALS, 8, 4);
     assert_eq!(per_step.len(), steps);
@@ -436,12 +431,7 @@ fn zero_stage_2_trains_like_one_process_across_nodes() {
     assert!(run.status.success(), "{stderr}");
     assert!(stderr.contains("ZeRO stage 2"), "{stderr}");
     let (_, params) = like_accumulation(tmp.path(), &data, &out4, steps);
-    let metrics = std::fs::read_to_string(out4.join("metrics.jsonl")).unwrap();
-    let per_step: Vec<f64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
-        .collect();
+    let per_step = common::bytes_per_step(&out4);
     let want = 2 * sprtrain::dist::scatter_bytes(params as usize, 4, 4)
         + sprtrain::dist::allreduce_bytes(sprtrain::train::STEP_TOTALS, 8, 4);
     assert_eq!(per_step.len(), steps);

@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{
     eval_results, logged_steps, losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data,
-    rank_pid, require_mpirun, run_ok, weight_values, weights,
+    only_checkpoint, rank_pid, require_mpirun, run_ok, weight_values, weights,
 };
-use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
 
@@ -109,10 +108,7 @@ fn lm_two_ranks_equal_one_rank(
 ) -> (tempfile::TempDir, impl Fn(&str, i64) -> (PathBuf, PathBuf)) {
     let tmp = tempfile::tempdir().unwrap();
     let text = tmp.path().join("train.txt");
-    let lines: String = (0..120)
-        .map(|i| format!("line {i}: the cat sat on the mat {} times\n", i % 7))
-        .collect();
-    std::fs::write(&text, lines).unwrap();
+    common::write_numbered_lines(&text);
     let dir = tmp.path().to_path_buf();
     let (model, task_name) = (model.to_path_buf(), task.to_string());
     let config = move |name: &str, accum: i64| {
@@ -170,12 +166,7 @@ fn causal_lm_two_ranks_equal_one_rank_with_accumulation() {
         .arg(&cl)
         .args(["--set", "lora.r=4"]);
     run_ok(cmd);
-    let sent: Vec<f64> = std::fs::read_to_string(outl.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
-        .collect();
+    let sent = common::bytes_per_step(&outl);
     let want = sprtrain::dist::allreduce_bytes(896, 4, 2)
         + sprtrain::dist::allreduce_bytes(sprtrain::train::STEP_TOTALS, 8, 2);
     assert_eq!(sent.len(), 12);
@@ -192,16 +183,6 @@ fn masked_lm_two_ranks_equal_one_rank_with_accumulation() {
     };
     let bert = common::fixtures().join("train_parity_mlm");
     let _ = lm_two_ranks_equal_one_rank(&mpirun, &bert, "mlm");
-}
-
-/// Copies checkpoint `step` of run `from` into an empty output directory `to`, as if the run
-/// that wrote `to` had been stopped right after saving it.
-fn only_checkpoint(from: &Path, step: usize, to: &Path) {
-    let name = format!("checkpoint-{step}");
-    std::fs::create_dir_all(to.join(&name)).unwrap();
-    for e in std::fs::read_dir(from.join(&name)).unwrap().flatten() {
-        std::fs::copy(e.path(), to.join(&name).join(e.file_name())).unwrap();
-    }
 }
 
 /// A run saved under 2 ranks continues under 1 rank with 2-fold accumulation, and one saved
@@ -237,19 +218,7 @@ fn resume_at_another_world_size_continues_exactly() {
         let (part_cfg, part) = mpi_config(tmp.path(), &data, &format!("{name}-part"), 4, a2, 8);
         only_checkpoint(&full, 4, &part);
         common::ok(train(&part_cfg, r2, &["--resume", "latest"]));
-        let (a, b) = (common::train_losses(&full), common::train_losses(&part));
-        assert_eq!(
-            b.iter().map(|x| x.0).collect::<Vec<_>>(),
-            [5, 6, 7, 8],
-            "{name}"
-        );
-        let want: Vec<f64> = a[4..].iter().map(|x| x.1).collect();
-        let got: Vec<f64> = b.iter().map(|x| x.1).collect();
-        let worst = max_rel_diff(&got, &want);
-        let wmax = max_weight_diff(&weights(&full), &weights(&part));
-        eprintln!("{name}: loss max relative difference {worst:e}, weights {wmax:e}");
-        assert!(worst <= 1e-5, "{name}: {got:?} vs {want:?}");
-        assert!(wmax <= 1e-5, "{name}: weights differ by {wmax:e}");
+        common::assert_resumed_like(&name, &full, &part, 4);
     }
 
     // One process without accumulation would take 4 examples a step where the run took 8.

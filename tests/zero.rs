@@ -9,17 +9,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{
-    losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data, require_mpirun, train_losses,
-    weights,
+    losses, max_rel_diff, max_weight_diff, mpi_config, mpi_data, require_mpirun, weights,
 };
-use serde_json::Value;
 use sprtrain::dist::{allreduce_bytes, scatter_bytes};
 use sprtrain::train::STEP_TOTALS;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
 
-/// `ranks` processes (one without mpirun) running `config` with `--set` pairs `sets`; the
-/// output, failing the test unless the run succeeded.
+/// `ranks` processes (one without mpirun) running `config` with `--set` pairs `sets` (and
+/// `--resume latest` where it is among them); the output, failing the test unless the run
+/// succeeded.
 fn train(mpirun: &str, ranks: usize, config: &Path, sets: &[String]) -> String {
     let mut cmd = if ranks > 1 {
         let mut c = Command::new(mpirun);
@@ -29,8 +28,12 @@ fn train(mpirun: &str, ranks: usize, config: &Path, sets: &[String]) -> String {
         Command::new(BIN)
     };
     cmd.arg("--config").arg(config);
-    for s in sets {
-        cmd.args(["--set", s]);
+    let mut args = sets.iter();
+    while let Some(s) = args.next() {
+        match s.as_str() {
+            "--resume" => cmd.args(["--resume", args.next().map_or("latest", |a| a.as_str())]),
+            _ => cmd.args(["--set", s]),
+        };
     }
     common::ok(cmd.output().unwrap())
 }
@@ -109,10 +112,7 @@ fn stages_1_and_2_equal_stage_0_on_an_encoder() {
 /// A 12-step run of the tiny Llama on 120 lines of text (2 ranks, one micro-batch each).
 fn llama_config(dir: &Path, name: &str, lora: bool) -> (PathBuf, PathBuf) {
     let text = dir.join("train.txt");
-    let lines: String = (0..120)
-        .map(|i| format!("line {i}: the cat sat on the mat {} times\n", i % 7))
-        .collect();
-    std::fs::write(&text, lines).unwrap();
+    common::write_numbered_lines(&text);
     let llama = common::fixtures().join("parity").join("llama-causal-lm");
     let out = dir.join(name);
     let mut config = common::RunConfig::new(&llama, &text, &out)
@@ -127,16 +127,6 @@ fn llama_config(dir: &Path, name: &str, lora: bool) -> (PathBuf, PathBuf) {
         config = config.set("lora.r", 4);
     }
     (config.write(&dir.join(format!("{name}.toml"))), out)
-}
-
-/// The bytes a step puts on the wire, from metrics.jsonl.
-fn bytes_per_step(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
-        .collect()
 }
 
 /// The tiny Llama (grouped-query attention, rotary positions, tied embeddings) at stage 2
@@ -184,7 +174,7 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
         eprintln!("LoRA, stage {stage}: losses {worst:e}, adapters {wmax:e}");
         assert!(worst <= 1e-5 && wmax <= 1e-5, "{l:?} vs {w:?}; {wmax:e}");
         let want = 2 * scatter_bytes(896, 4, 2) + totals;
-        let sent = bytes_per_step(&out);
+        let sent = common::bytes_per_step(&out);
         assert_eq!(sent.len(), 12);
         assert!(sent.iter().all(|&b| b == want as f64), "{sent:?} vs {want}");
     }
@@ -227,36 +217,11 @@ fn a_checkpoint_resumes_at_another_stage_and_world_size() {
             assert_eq!(t.numel() as i64, params, "{name}: {moment} saved whole");
         }
         let (part_cfg, part) = mpi_config(tmp.path(), &data, &format!("{name}-part"), 4, a2, 8);
-        let to = part.join("checkpoint-4");
-        std::fs::create_dir_all(&to).unwrap();
-        for e in std::fs::read_dir(full.join("checkpoint-4"))
-            .unwrap()
-            .flatten()
-        {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-        let mut cmd = if r2 > 1 {
-            let mut c = Command::new(&mpirun);
-            c.args(["-n", &r2.to_string(), BIN]);
-            c
-        } else {
-            Command::new(BIN)
-        };
-        cmd.arg("--config").arg(&part_cfg);
-        for s in &sets(s2) {
-            cmd.args(["--set", s]);
-        }
-        cmd.args(["--resume", "latest"]);
-        common::ok(cmd.output().unwrap());
-        let (a, b) = (train_losses(&full), train_losses(&part));
-        assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), [5, 6, 7, 8]);
-        let want: Vec<f64> = a[4..].iter().map(|x| x.1).collect();
-        let got: Vec<f64> = b.iter().map(|x| x.1).collect();
-        let worst = max_rel_diff(&got, &want);
-        let wmax = max_weight_diff(&weights(&full), &weights(&part));
-        eprintln!("{name}: loss max relative difference {worst:e}, weights {wmax:e}");
-        assert!(worst <= 1e-5, "{name}: {got:?} vs {want:?}");
-        assert!(wmax <= 1e-5, "{name}: weights differ by {wmax:e}");
+        common::only_checkpoint(&full, 4, &part);
+        let mut resume = sets(s2);
+        resume.extend(["--resume".to_string(), "latest".to_string()]);
+        train(&mpirun, r2, &part_cfg, &resume);
+        common::assert_resumed_like(&name, &full, &part, 4);
     }
 }
 

@@ -16,13 +16,99 @@ use tch::{nn, Kind, Tensor};
 use super::TaskModel;
 use crate::io::hf_files::{read_index, INDEX_FILE, PICKLE_FILE, SINGLE_FILE};
 
-/// All tensors of a checkpoint, by their (renamed) state-dict key.
+/// A checkpoint's files, memory-mapped, and where each tensor lies in them by its (renamed)
+/// state-dict key. Nothing is read until a tensor is loaded, and loading reads one tensor at a
+/// time, so a load holds the model's parameters plus one tensor, not the file as well.
 pub struct Checkpoint {
-    pub tensors: BTreeMap<String, Tensor>,
-    /// Which file each tensor came from, for messages.
-    pub origin: BTreeMap<String, PathBuf>,
+    files: Vec<MappedFile>,
+    entries: BTreeMap<String, Stored>,
     /// Directory of the checkpoint, for messages.
     pub dir: PathBuf,
+}
+
+struct MappedFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+/// One tensor of a mapped file: its name there, dtype, shape and bytes in the mapping.
+struct Stored {
+    file: usize,
+    name: String,
+    kind: Kind,
+    shape: Vec<i64>,
+    bytes: std::ops::Range<usize>,
+}
+
+impl Checkpoint {
+    /// The file tensor `stored` lies in, for messages.
+    fn path_of(&self, stored: &Stored) -> &Path {
+        &self.files[stored.file].path
+    }
+
+    /// `stored` read from its mapping into a tensor of its own (then given back, see
+    /// [`release`]).
+    fn read(&self, stored: &Stored) -> Result<Tensor> {
+        let file = &self.files[stored.file];
+        let data = &file.map[stored.bytes.clone()];
+        let tensor =
+            Tensor::f_from_data_size(data, &stored.shape, stored.kind).with_context(|| {
+                format!(
+                    "{}: cannot read tensor {}",
+                    file.path.display(),
+                    stored.name
+                )
+            })?;
+        release(data);
+        Ok(tensor)
+    }
+
+    /// Copies `stored` straight from the mapping into `var`'s memory, a few MB at a time, each
+    /// piece's pages given back once copied: a load then holds the parameters and one piece,
+    /// not a second copy of the tensor. False (nothing done) where `var` differs in dtype or
+    /// size or is not contiguous: then [`Checkpoint::read`] and a converting copy.
+    fn copy_into(&self, stored: &Stored, var: &Tensor) -> bool {
+        let file = &self.files[stored.file];
+        let data = &file.map[stored.bytes.clone()];
+        let same = var.kind() == stored.kind
+            && var.is_contiguous()
+            && var.numel() * var.kind().elt_size_in_bytes() == data.len();
+        if !same {
+            return false;
+        }
+        let dst = var.data_ptr() as *mut u8;
+        for (k, piece) in data.chunks(COPY_PIECE_BYTES).enumerate() {
+            // SAFETY: `var` is a contiguous tensor of exactly `data.len()` bytes that nothing
+            // else uses during the load; the pieces are disjoint and in bounds.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    piece.as_ptr(),
+                    dst.add(k * COPY_PIECE_BYTES),
+                    piece.len(),
+                )
+            };
+            release(piece);
+        }
+        true
+    }
+}
+
+/// What [`Checkpoint::copy_into`] copies before giving the file's pages back.
+const COPY_PIECE_BYTES: usize = 8 << 20;
+
+/// Gives the whole pages of `data` (a slice of a checkpoint's mapping, already read) back: the
+/// page cache keeps them, but they would otherwise count towards this process's memory until
+/// the whole checkpoint is loaded.
+fn release(data: &[u8]) {
+    let page = 4096;
+    let start = (data.as_ptr() as usize).next_multiple_of(page);
+    let end = (data.as_ptr() as usize + data.len()) / page * page;
+    if end > start {
+        // SAFETY: whole pages inside a read-only private file mapping that nothing reads now;
+        // MADV_DONTNEED drops them from this process (a later read would fault them in from
+        // the file again). Advice only: a refusal leaves them mapped.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    }
 }
 
 /// What a load did, reported as transformers reports it.
@@ -87,43 +173,74 @@ fn modern_key(key: &str) -> String {
 /// Every tensor of one safetensors file, by its stored name.
 pub fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not a valid safetensors file (truncated or corrupt?): {e}",
-            path.display()
-        )
-    })?;
     let mut out = Vec::new();
-    for (name, view) in st.tensors() {
-        let kind = kind_of(view.dtype()).with_context(|| {
-            format!(
-                "{}: tensor {name} has unsupported dtype {:?}",
-                path.display(),
-                view.dtype()
-            )
-        })?;
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        let tensor = Tensor::f_from_data_size(view.data(), &shape, kind)
+    for (name, view) in deserialize(path, &bytes)?.tensors() {
+        let kind = kind_in(path, &name, &view)?;
+        let tensor = Tensor::f_from_data_size(view.data(), &shape_of(&view), kind)
             .with_context(|| format!("{}: cannot read tensor {name}", path.display()))?;
         out.push((name, tensor));
     }
     Ok(out)
 }
 
+/// `bytes`, the contents of `path`, as safetensors: the header and sizes checked.
+fn deserialize<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not a valid safetensors file (truncated or corrupt?): {e}",
+            path.display()
+        )
+    })
+}
+
+/// The libtorch dtype of tensor `name` of `path`; an error for dtypes libtorch lacks.
+fn kind_in(path: &Path, name: &str, view: &safetensors::tensor::TensorView) -> Result<Kind> {
+    kind_of(view.dtype()).with_context(|| {
+        format!(
+            "{}: tensor {name} has unsupported dtype {:?}",
+            path.display(),
+            view.dtype()
+        )
+    })
+}
+
+fn shape_of(view: &safetensors::tensor::TensorView) -> Vec<i64> {
+    view.shape().iter().map(|&d| d as i64).collect()
+}
+
+/// Maps `path` and records where its tensors lie; the header is checked now (a truncated or
+/// corrupt file is refused here, as when it was read whole).
 fn read_file_into(path: &Path, ckpt: &mut Checkpoint) -> Result<()> {
-    for (name, tensor) in read_safetensors(path)? {
-        let key = modern_key(&name);
-        ckpt.origin.insert(key.clone(), path.to_path_buf());
-        ckpt.tensors.insert(key, tensor);
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // SAFETY: the mapping is read-only and private; a file changed under a running load is
+    // the caller's to avoid, as for any reader (a checkpoint is never rewritten in place).
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("cannot map {}", path.display()))?;
+    let index = ckpt.files.len();
+    for (name, view) in deserialize(path, &map)?.tensors() {
+        let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+        let stored = Stored {
+            file: index,
+            kind: kind_in(path, &name, &view)?,
+            shape: shape_of(&view),
+            bytes: start..start + view.data().len(),
+            name: name.clone(),
+        };
+        ckpt.entries.insert(modern_key(&name), stored);
     }
+    ckpt.files.push(MappedFile {
+        path: path.to_path_buf(),
+        map,
+    });
     Ok(())
 }
 
 /// Reads `model.safetensors`, or every shard named by `model.safetensors.index.json`.
 pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let mut ckpt = Checkpoint {
-        tensors: BTreeMap::new(),
-        origin: BTreeMap::new(),
+        files: Vec::new(),
+        entries: BTreeMap::new(),
         dir: dir.to_path_buf(),
     };
     let single = dir.join(SINGLE_FILE);
@@ -145,7 +262,7 @@ pub fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
             read_file_into(&path, &mut ckpt)?;
         }
         for key in weight_map.keys() {
-            if !ckpt.tensors.contains_key(&modern_key(key)) {
+            if !ckpt.entries.contains_key(&modern_key(key)) {
                 bail!(
                     "{} maps tensor {key} to a shard that does not contain it",
                     index.display()
@@ -180,14 +297,16 @@ fn ignored_on_load(key: &str, tied: bool) -> bool {
         || (tied && key == "decoder.weight")
 }
 
-/// Copies the checkpoint into the model's variables; see the module doc for the rules.
+/// Copies the checkpoint into the model's variables, a tensor at a time; see the module doc
+/// for the rules.
 pub fn load_checkpoint(
     vs: &nn::VarStore,
     model: &TaskModel,
-    ckpt: Checkpoint,
+    mut ckpt: Checkpoint,
 ) -> Result<LoadReport> {
     let mut vars = vs.variables();
-    let mut tensors = by_model_name(model, &vars, ckpt.tensors);
+    let entries = std::mem::take(&mut ckpt.entries);
+    let mut stored = by_model_name(model, &vars, entries);
     let mut report = LoadReport::default();
     let mut names: Vec<String> = vars.keys().cloned().collect();
     names.sort();
@@ -195,7 +314,7 @@ pub fn load_checkpoint(
         let Some(var) = vars.get_mut(&name) else {
             continue;
         };
-        let Some((orig, src)) = tensors.remove(&name) else {
+        let Some((orig, entry)) = stored.remove(&name) else {
             // LoRA adapters start fresh on a base model, as PEFT's do (not reported).
             if super::layers::is_adapter_variable(&name) {
                 continue;
@@ -209,15 +328,22 @@ pub fn load_checkpoint(
                 ckpt.dir.display()
             );
         };
-        let file = ckpt
-            .origin
-            .get(&orig)
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
-        copy_checked(var, &src, &file, &orig, model)?;
+        let file = ckpt.path_of(&entry).display().to_string();
+        if entry.shape != var.size() {
+            bail!(
+                "{file}: tensor {orig} has shape {:?} but {} expects {:?} from config.json",
+                entry.shape,
+                model.class_name(),
+                var.size()
+            );
+        }
+        if !ckpt.copy_into(&entry, var) {
+            let src = ckpt.read(&entry)?;
+            copy_checked(var, &src, &file, &orig, model)?;
+        }
         report.loaded += 1;
     }
-    report.unused = tensors
+    report.unused = stored
         .into_values()
         .map(|(orig, _)| orig)
         .filter(|k| !ignored_on_load(k, model.config.tie_word_embeddings))
@@ -228,11 +354,11 @@ pub fn load_checkpoint(
 
 /// The checkpoint's tensors under the model's names (a bare model's checkpoint on a task
 /// model, or the reverse), each with its name in the file.
-fn by_model_name(
+fn by_model_name<T>(
     model: &TaskModel,
     vars: &std::collections::HashMap<String, Tensor>,
-    ckpt_tensors: BTreeMap<String, Tensor>,
-) -> BTreeMap<String, (String, Tensor)> {
+    ckpt_tensors: BTreeMap<String, T>,
+) -> BTreeMap<String, (String, T)> {
     let arch = model.config.arch;
     let prefix = arch.prefix();
     let model_prefixed = vars.keys().any(|k| k.starts_with(&format!("{prefix}.")));

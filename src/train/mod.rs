@@ -14,6 +14,7 @@
 mod dataset;
 pub mod eval;
 mod grad_sync;
+pub mod memory;
 pub mod profile;
 pub mod setup;
 mod window;
@@ -235,6 +236,13 @@ impl<'a> Trainer<'a> {
         let mut p = prepare(config, dist, data, source, false)?;
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
+        // Before the gradient and optimizer state exist: a run that cannot fit stops here.
+        memory::check(
+            config,
+            &memory::ModelShape::of(&p.vs, &p.model),
+            &memory::RunShape::of(config, dist.topo.world),
+            dist.topo.local_size,
+        )?;
         let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
         agree_and_broadcast(dist, config, &flat, p.train.len())?;
         let sync = GradSync::new(&flat, &p.model, config, dist);

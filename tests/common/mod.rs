@@ -565,3 +565,48 @@ pub fn mm_calls(dir: &Path, f: impl FnOnce()) -> f64 {
         .and_then(|rest| rest.split(" |").next())
         .map_or(0.0, |calls| calls.parse().unwrap())
 }
+
+/// Writes 120 numbered lines of plain text to `path`: a small causal-LM corpus.
+pub fn write_numbered_lines(path: &Path) {
+    let lines: String = (0..120)
+        .map(|i| format!("line {i}: the cat sat on the mat {} times\n", i % 7))
+        .collect();
+    std::fs::write(path, lines).unwrap();
+}
+
+/// The payload bytes each rank sent per logged step (`comm_bytes_sent_per_step`).
+pub fn bytes_per_step(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["comm_bytes_sent_per_step"].as_f64())
+        .collect()
+}
+
+/// Copies checkpoint `step` of run `from` into an empty output directory `to`, as if the run
+/// that wrote `to` had been stopped right after saving it.
+pub fn only_checkpoint(from: &Path, step: usize, to: &Path) {
+    let name = format!("checkpoint-{step}");
+    std::fs::create_dir_all(to.join(&name)).unwrap();
+    for e in std::fs::read_dir(from.join(&name)).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(&name).join(e.file_name())).unwrap();
+    }
+}
+
+/// Checks that run `part`, resumed from checkpoint `from_step` of run `full`, logged steps
+/// `from_step + 1 ..= last` with `full`'s losses (within 1e-5 relative) and ended with its
+/// weights (within 1e-5); `name` says which runs, in messages.
+pub fn assert_resumed_like(name: &str, full: &Path, part: &Path, from_step: usize) {
+    let (a, b) = (train_losses(full), train_losses(part));
+    let steps: Vec<u64> = b.iter().map(|x| x.0).collect();
+    let want_steps: Vec<u64> = a[from_step..].iter().map(|x| x.0).collect();
+    assert_eq!(steps, want_steps, "{name}");
+    let want: Vec<f64> = a[from_step..].iter().map(|x| x.1).collect();
+    let got: Vec<f64> = b.iter().map(|x| x.1).collect();
+    let worst = max_rel_diff(&got, &want);
+    let wmax = max_weight_diff(&weights(full), &weights(part));
+    eprintln!("{name}: loss max relative difference {worst:e}, weights {wmax:e}");
+    assert!(worst <= 1e-5, "{name}: {got:?} vs {want:?}");
+    assert!(wmax <= 1e-5, "{name}: weights differ by {wmax:e}");
+}
