@@ -17,7 +17,8 @@ run() {
   /usr/bin/time -f "%M" -o "$work/$1.rss" target/release/sprtrain \
     --config configs/bench/llama-125m-clm.toml --set train.output_dir="$work/$1" \
     --set train.max_steps="$steps" --set model.max_seq_len="$2" \
-    --set train.gradient_checkpointing="$3" >"$work/$1.log" 2>&1
+    --set train.gradient_checkpointing="$3" >"$work/$1.log" 2>&1 ||
+    { echo "$1 failed:"; tail -5 "$work/$1.log"; exit 1; }
   python3 - "$1" "$work/$1/metrics.jsonl" "$(cat "$work/$1.rss")" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[2])]

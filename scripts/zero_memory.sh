@@ -5,7 +5,7 @@
 #   - tokens/s (the median of the steps after the first 2) and each rank's peak RSS, the
 #     stages alternating for `rounds` rounds;
 #   - the least memory the whole job runs in: the smallest memory-cgroup limit (bisected to
-#     0.2 GB) under which it finishes `steps` steps, the kernel taking back what it can (page cache, the
+#     0.2 GB) under which it finishes 4 steps, the kernel taking back what it can (page cache, the
 #     pages stage 2 marks free) and killing the job where it cannot.
 # Needs root (a memory cgroup, v1 or v2) and a built target/release/sprtrain.
 # usage: sudo scripts/zero_memory.sh [steps (default 12)] [rounds (default 2)] [stages (default "0 1 2")]
@@ -25,7 +25,8 @@ else
   cgroot=/sys/fs/cgroup limit_file=memory.max unlimited=max
 fi
 
-# run STAGE LIMIT_BYTES TAG: trains in a fresh memory cgroup; exit status of the job.
+# run STAGE LIMIT_BYTES TAG STEPS: trains in a fresh memory cgroup; exit status of the job.
+# Only metrics.jsonl is kept of its output (each run's final save is 1.5 GB).
 run() {
   local cg="$cgroot/sprtrain-zero-$$-$3"
   mkdir -p "$cg"
@@ -33,16 +34,23 @@ run() {
   (
     echo $BASHPID >"$cg/cgroup.procs"
     exec mpirun -n 2 /usr/bin/time -f "peak RSS %M KB" "$bin" --config "$config" \
-      --set train.output_dir="$work/$3" --set train.max_steps="$steps" \
+      --set train.output_dir="$work/$3" --set train.max_steps="$4" \
       --set runtime.threads=1 --set dist.zero_stage="$1" >"$work/$3.log" 2>&1
   )
   local rc=$?
   rmdir "$cg" 2>/dev/null || true
+  [ -f "$work/$3/metrics.jsonl" ] && mv "$work/$3/metrics.jsonl" "$work/$3.metrics.jsonl"
+  rm -rf "${work:?}/$3"
+  # A failure for want of disk is not one for want of memory.
+  if grep -q "No space left on device" "$work/$3.log"; then
+    echo "out of disk space in $work" >&2
+    exit 1
+  fi
   return $rc
 }
 
 median_tokens() {
-  python3 - "$1/metrics.jsonl" <<'PY'
+  python3 - "$1.metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 steps = [r["tokens_per_s"] for r in rows if "loss" in r][2:]
@@ -55,7 +63,7 @@ declare -A tokens rss
 for round in $(seq "$rounds"); do
   for stage in $stages; do
     tag="free$stage-$round"
-    run "$stage" "$unlimited" "$tag" || { echo "stage $stage failed:"; tail -5 "$work/$tag.log"; exit 1; }
+    run "$stage" "$unlimited" "$tag" "$steps" || { echo "stage $stage failed:"; tail -5 "$work/$tag.log"; exit 1; }
     tokens[$stage]="${tokens[$stage]:-}${tokens[$stage]:+, }$(median_tokens "$work/$tag")"
     rss[$stage]="${rss[$stage]:-}${rss[$stage]:+, }$(grep -o 'peak RSS [0-9]*' "$work/$tag.log" | awk '{printf "%s%.2f", sep, $3/1048576; sep=" "}')"
   done
@@ -69,7 +77,7 @@ for stage in $stages; do
   lo=20 hi=40 try=0
   while [ $((hi - lo)) -gt 1 ]; do
     mid=$(((lo + hi) / 2)) try=$((try + 1))
-    if run "$stage" "$((mid * 200000000))" "s$stage-$try"; then hi=$mid; else lo=$mid; fi
+    if run "$stage" "$((mid * 200000000))" "s$stage-$try" 4; then hi=$mid; else lo=$mid; fi
   done
   echo "| $stage | ${tokens[$stage]} | ${rss[$stage]} | $(awk -v h=$hi 'BEGIN{printf "%.1f", h/5}') |"
 done

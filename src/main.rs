@@ -109,8 +109,9 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
     )?;
     let params: i64 = pretrained
         .vs
-        .trainable_variables()
-        .iter()
+        .variables()
+        .values()
+        .filter(|t| t.requires_grad())
         .map(|t| t.numel() as i64)
         .sum();
     println!(

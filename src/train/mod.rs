@@ -244,15 +244,12 @@ impl<'a> Trainer<'a> {
             dist.topo.local_size,
         )?;
         let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
+        // The parameters' first home, freed as they moved into the flat buffer.
+        crate::runtime::allocator::release_free_memory();
         agree_and_broadcast(dist, config, &flat, p.train.len())?;
         let sync = GradSync::new(&flat, &p.model, config, dist);
         let mut opt = optimizer(&config.train, flat, total_steps)?;
-        if sync.zero_stage() > 0 {
-            let shard = sync.shard(opt.flat.numel() as usize);
-            let own_grads = sync.reduces_every_micro_batch();
-            opt.adamw = AdamW::sharded(opt.adamw.config, &opt.flat, shard, own_grads);
-        }
-        announce_zero(config, dist, &opt);
+        shard_optimizer(&mut opt, &sync, config, dist);
         if config.runtime.sparse_embedding_updates {
             defer_embedding_rows(&mut p.model, &mut opt, root);
         }
@@ -343,42 +340,12 @@ impl<'a> Trainer<'a> {
     /// One optimizer step on global batch `global`: forward and backward of this process's
     /// micro-batches, the gradient summed over all processes, then clipping and AdamW.
     pub fn step(&mut self, global: &[usize]) -> Result<StepOutcome> {
-        let micro = self.plan.micro_batches(global, self.dist.topo.rank);
-        // Each micro-batch's mean loss counts 1/(micro-batches in the whole step): the
-        // gradient is their mean whatever the number of processes, tails included.
-        let micro_in_step = global.len().div_ceil(self.plan.micro_batch) as f64;
         let distributed = self.dist.topo.world > 1;
         let sent_before = self.dist.bytes_sent();
-        let (mut times, mut loss_sum, mut tokens) = (StepTimes::default(), 0.0, 0usize);
-        let step = self.state.global_step + 1;
-        self.sync.begin(step);
-        // ZeRO stage 2 reduces every micro-batch, so every rank takes part in as many rounds
-        // as rank 0 has micro-batches (the first ranks have the most), with zeros where it
-        // has none left.
-        let every = distributed && self.sync.reduces_every_micro_batch();
-        let rounds = match every {
-            true => self.plan.micro_batches(global, 0).len(),
-            false => micro.len(),
-        };
-        for m in 0..rounds {
-            if let Some(indices) = micro.get(m) {
-                // The last micro-batch of a step, with several processes, runs backward stage
-                // by stage so each gradient bucket leaves as soon as it is complete.
-                let staged = distributed && (every || m + 1 == micro.len());
-                let (loss, real_tokens) =
-                    self.micro_step(m, indices, micro_in_step, staged, &mut times)?;
-                loss_sum += loss;
-                tokens += real_tokens;
-            }
-            if every {
-                let t = Instant::now();
-                self.sync.finish(&self.opt, self.dist)?;
-                self.sync.begin(step);
-                times.comm_exposed += t.elapsed().as_secs_f64();
-            }
-        }
+        let mut times = StepTimes::default();
+        let (loss_sum, tokens) = self.forward_backward(global, &mut times)?;
         let t = Instant::now();
-        if distributed && !every {
+        if distributed && !self.sync.reduces_every_micro_batch() {
             self.sync.finish(&self.opt, self.dist)?;
         }
         let sharded = self.sync.zero_stage() > 0;
@@ -433,6 +400,50 @@ impl<'a> Trainer<'a> {
                 None
             },
         })
+    }
+
+    /// Forward and backward of this process's micro-batches of `global`, their gradients
+    /// summed over the processes as backward completes them (the last micro-batch's, or at
+    /// ZeRO stage 2 each one's); the summed loss and real tokens.
+    fn forward_backward(
+        &mut self,
+        global: &[usize],
+        times: &mut StepTimes,
+    ) -> Result<(f64, usize)> {
+        let micro = self.plan.micro_batches(global, self.dist.topo.rank);
+        // Each micro-batch's mean loss counts 1/(micro-batches in the whole step): the
+        // gradient is their mean whatever the number of processes, tails included.
+        let micro_in_step = global.len().div_ceil(self.plan.micro_batch) as f64;
+        let distributed = self.dist.topo.world > 1;
+        let (mut loss_sum, mut tokens) = (0.0, 0usize);
+        let step = self.state.global_step + 1;
+        self.sync.begin(step);
+        // ZeRO stage 2 reduces every micro-batch, so every rank takes part in as many rounds
+        // as rank 0 has micro-batches (the first ranks have the most), with zeros where it
+        // has none left.
+        let every = distributed && self.sync.reduces_every_micro_batch();
+        let rounds = match every {
+            true => self.plan.micro_batches(global, 0).len(),
+            false => micro.len(),
+        };
+        for m in 0..rounds {
+            if let Some(indices) = micro.get(m) {
+                // The last micro-batch of a step, with several processes, runs backward stage
+                // by stage so each gradient bucket leaves as soon as it is complete.
+                let staged = distributed && (every || m + 1 == micro.len());
+                let (loss, real_tokens) =
+                    self.micro_step(m, indices, micro_in_step, staged, times)?;
+                loss_sum += loss;
+                tokens += real_tokens;
+            }
+            if every {
+                let t = Instant::now();
+                self.sync.finish(&self.opt, self.dist)?;
+                self.sync.begin(step);
+                times.comm_exposed += t.elapsed().as_secs_f64();
+            }
+        }
+        Ok((loss_sum, tokens))
     }
 
     /// Forward and backward of micro-batch `m` of this process's share of the step; its loss
@@ -801,6 +812,16 @@ impl<'a> Trainer<'a> {
         })
     }
 }
+/// Under ZeRO, AdamW over this rank's shard alone (and its own gradient at stage 2); says so.
+fn shard_optimizer(opt: &mut Optimizer, sync: &GradSync, config: &Config, dist: &Dist) {
+    if sync.zero_stage() > 0 {
+        let shard = sync.shard(opt.flat.numel() as usize);
+        let own_grads = sync.reduces_every_micro_batch();
+        opt.adamw = AdamW::sharded(opt.adamw.config, &opt.flat, shard, own_grads);
+    }
+    announce_zero(config, dist, opt);
+}
+
 /// Says, once, what ZeRO shards on this run.
 fn announce_zero(config: &Config, dist: &Dist, opt: &Optimizer) {
     let stage = config.dist.zero_stage;
