@@ -386,7 +386,7 @@ impl AdamW {
     /// and calls `catch_up` with the ids before each lookup. Returns the table's name; None
     /// when it is not one of `flat`'s parameters.
     pub fn defer_untouched_rows(&mut self, flat: &FlatParams, table: &Tensor) -> Option<String> {
-        if !self.is_whole(flat) {
+        if !self.is_whole() {
             return None; // the rows' state would be spread over the ranks
         }
         let found = flat.vars.iter().zip(&flat.slots).find(|(var, slot)| {
@@ -456,9 +456,10 @@ impl AdamW {
         self.catch_up(flat, None);
     }
 
-    /// Whether this optimizer keeps the state of every element of `flat`.
-    fn is_whole(&self, flat: &FlatParams) -> bool {
-        self.shard == Shard::whole(flat.numel() as usize) && self.shard_grads.is_none()
+    /// Whether this optimizer keeps the state of every element of the flat buffer (its shard
+    /// ranges are disjoint, so as many elements as the buffer's are all of them).
+    fn is_whole(&self) -> bool {
+        self.shard.numel() == self.flat_numel
     }
 
     /// The parameter, moment and gradient buffers of `flat` and this optimizer.
@@ -838,7 +839,7 @@ impl Optimizer {
         let lr = self.schedule.lr(step as i64);
         let grad_scale = clip_coefficient(grad_norm, self.max_grad_norm);
         self.adamw.step(&self.flat, lr, grad_scale);
-        if !self.adamw.is_whole(&self.flat) && self.adamw.shard_grads.is_none() {
+        if !self.adamw.is_whole() && self.adamw.shard_grads.is_none() {
             // ZeRO stage 1: the step zeroed its shard of the flat gradient; the rest holds
             // this rank's own, unsummed gradients, which the next window must not add to.
             tch::no_grad(|| {

@@ -329,17 +329,11 @@ pub fn load_checkpoint(
             );
         };
         let file = ckpt.path_of(&entry).display().to_string();
-        if entry.shape != var.size() {
-            bail!(
-                "{file}: tensor {orig} has shape {:?} but {} expects {:?} from config.json",
-                entry.shape,
-                model.class_name(),
-                var.size()
-            );
-        }
+        check_stored(&entry, var, &file, &orig, model)?;
         if !ckpt.copy_into(&entry, var) {
             let src = ckpt.read(&entry)?;
-            copy_checked(var, &src, &file, &orig, model)?;
+            tch::no_grad(|| var.f_copy_(&src.to_kind(var.kind())))
+                .with_context(|| format!("{file}: cannot copy tensor {orig}"))?;
         }
         report.loaded += 1;
     }
@@ -384,32 +378,32 @@ fn by_model_name<T>(
         .collect()
 }
 
-/// Copies `src` (tensor `orig` of `file`) into `var`, converting its dtype; a shape other than
-/// config.json's or a non-float tensor is an error naming both.
-fn copy_checked(
-    var: &mut Tensor,
-    src: &Tensor,
+/// Checks stored tensor `orig` of `file` against `var` before anything is read: a shape other
+/// than config.json's or a non-float dtype is an error naming both.
+fn check_stored(
+    stored: &Stored,
+    var: &Tensor,
     file: &str,
     orig: &str,
     model: &TaskModel,
 ) -> Result<()> {
-    if src.size() != var.size() {
+    if stored.shape != var.size() {
         bail!(
             "{file}: tensor {orig} has shape {:?} but {} expects {:?} from config.json",
-            src.size(),
+            stored.shape,
             model.class_name(),
             var.size()
         );
     }
-    if !src.is_floating_point() {
+    if !matches!(
+        stored.kind,
+        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
+    ) {
         bail!(
             "{file}: tensor {orig} has dtype {:?}, expected a floating-point type",
-            src.kind()
+            stored.kind
         );
     }
-    let kind = var.kind();
-    tch::no_grad(|| var.f_copy_(&src.to_kind(kind)))
-        .with_context(|| format!("{file}: cannot copy tensor {orig}"))?;
     Ok(())
 }
 

@@ -88,8 +88,10 @@ pub struct GradSync {
     step: usize,
     /// The ZeRO stage in effect: `dist.zero_stage`, or 0 in a world of one.
     zero_stage: u8,
-    /// This rank's chunk of each bucket (flat elements), under ZeRO.
+    /// This rank's chunk of each bucket (flat elements), under ZeRO, and where each chunk
+    /// starts in the shard's state (the chunks lie back to back there).
     own: Vec<Range<usize>>,
+    own_at: Vec<usize>,
 }
 
 /// This rank's chunk of each bucket: the shard of the flat buffer it updates under ZeRO.
@@ -112,6 +114,14 @@ impl GradSync {
         let (world, rank) = (dist.topo.world, dist.topo.rank);
         let zero_stage = if world > 1 { config.dist.zero_stage } else { 0 };
         let own = own_chunks(&buckets, world, rank);
+        let own_at = own
+            .iter()
+            .scan(0, |at, r| {
+                let start = *at;
+                *at += r.len();
+                Some(start)
+            })
+            .collect();
         // A bucket is ready once backward has passed the stage of its last (deepest) parameter.
         let stages = buckets
             .iter()
@@ -130,6 +140,7 @@ impl GradSync {
             step: 0,
             zero_stage,
             own,
+            own_at,
         }
     }
 
@@ -180,44 +191,25 @@ impl GradSync {
                 b.elems.start, b.elems.end, self.step
             );
             let send = std::mem::take(&mut self.bufs[i]);
-            let own = self.own[i].clone();
-            let (bf16, at) = (self.bf16, self.shard_offset(i));
+            let (own, at, bf16) = (self.own[i].clone(), self.own_at[i], self.bf16);
             // SAFETY: the destination (the bucket, this rank's chunk of it, or that chunk's
             // place in the shard's gradient) is touched by nothing but the sum until `finish`
             // has waited for it; buckets are disjoint, and so are their chunks.
             let pending = unsafe {
-                match (
-                    self.zero_stage,
-                    opt.adamw.shard_grads_mut(at..at + own.len()),
-                ) {
-                    (0, _) => dist.start_allreduce_into(
-                        what,
-                        send,
-                        flat.grads_mut(b.elems.clone()),
-                        bf16,
-                    )?,
-                    (_, None) => dist.start_reduce_scatter_into(
-                        what,
-                        send,
-                        flat.grads_mut(own),
-                        bf16,
-                        false,
-                    )?,
-                    (_, Some(shard)) => {
-                        // Sent: the full gradient of this bucket is no longer needed.
-                        flat.release_grads(b.elems.clone());
-                        dist.start_reduce_scatter_into(what, send, shard, bf16, true)?
-                    }
+                if self.zero_stage == 0 {
+                    let dst = flat.grads_mut(b.elems.clone());
+                    dist.start_allreduce_into(what, send, dst, bf16)?
+                } else if let Some(shard) = opt.adamw.shard_grads_mut(at..at + own.len()) {
+                    // Sent: the full gradient of this bucket is no longer needed.
+                    flat.release_grads(b.elems.clone());
+                    dist.start_reduce_scatter_into(what, send, shard, bf16, true)?
+                } else {
+                    dist.start_reduce_scatter_into(what, send, flat.grads_mut(own), bf16, false)?
                 }
             };
             self.pending.push(pending);
         }
         Ok(())
-    }
-
-    /// Where bucket `i`'s chunk starts in the shard's state (its chunks lie back to back).
-    fn shard_offset(&self, i: usize) -> usize {
-        self.own[..i].iter().map(|r| r.len()).sum()
     }
 
     /// Backward of the last micro-batch of a step (under ZeRO stage 2, of every one), from a
@@ -288,7 +280,7 @@ impl GradSync {
                 .is_root()
                 .then(|| Tensor::zeros([numel as i64], (Kind::Float, tch::Device::Cpu)));
             for (i, b) in self.buckets.iter().enumerate() {
-                let at = self.shard_offset(i) as i64;
+                let at = self.own_at[i] as i64;
                 let mine = shard.narrow(0, at, self.own[i].len() as i64);
                 let mine = Vec::<f32>::try_from(&mine)?;
                 let what = format!("optimizer state {name}, bucket {i}");

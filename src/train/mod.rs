@@ -236,23 +236,7 @@ impl<'a> Trainer<'a> {
         let mut p = prepare(config, dist, data, source, false)?;
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
-        // Before the gradient and optimizer state exist: a run that cannot fit stops here.
-        memory::check(
-            config,
-            &memory::ModelShape::of(&p.vs, &p.model),
-            &memory::RunShape::of(config, dist.topo.world),
-            dist.topo.local_size,
-        )?;
-        let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
-        // The parameters' first home, freed as they moved into the flat buffer.
-        crate::runtime::allocator::release_free_memory();
-        agree_and_broadcast(dist, config, &flat, p.train.len())?;
-        let sync = GradSync::new(&flat, &p.model, config, dist);
-        let mut opt = optimizer(&config.train, flat, total_steps)?;
-        shard_optimizer(&mut opt, &sync, config, dist);
-        if config.runtime.sparse_embedding_updates {
-            defer_embedding_rows(&mut p.model, &mut opt, root);
-        }
+        let (mut opt, sync) = training_state(config, dist, &mut p, total_steps)?;
         startup::mark("optimizer");
         let mut state = start_state(config, resume_dir.as_deref(), &mut opt, &plan, total_steps)?;
         state.world_size = dist.topo.world;
@@ -812,6 +796,34 @@ impl<'a> Trainer<'a> {
         })
     }
 }
+/// The flat parameter buffer, agreed on by every rank and holding rank 0's weights, with its
+/// optimizer and gradient buckets; first the memory preflight, before the gradient and
+/// optimizer state exist, so a run that cannot fit stops here.
+fn training_state(
+    config: &Config,
+    dist: &Dist,
+    p: &mut setup::Prepared,
+    total_steps: usize,
+) -> Result<(Optimizer, GradSync)> {
+    memory::check(
+        config,
+        &memory::ModelShape::of(&p.vs, &p.model),
+        &memory::RunShape::of(config, dist.topo.world),
+        dist.topo.local_size,
+    )?;
+    let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
+    // The parameters' first home, freed as they moved into the flat buffer.
+    crate::runtime::allocator::release_free_memory();
+    agree_and_broadcast(dist, config, &flat, p.train.len())?;
+    let sync = GradSync::new(&flat, &p.model, config, dist);
+    let mut opt = optimizer(&config.train, flat, total_steps)?;
+    shard_optimizer(&mut opt, &sync, config, dist);
+    if config.runtime.sparse_embedding_updates {
+        defer_embedding_rows(&mut p.model, &mut opt, dist.is_root());
+    }
+    Ok((opt, sync))
+}
+
 /// Under ZeRO, AdamW over this rank's shard alone (and its own gradient at stage 2); says so.
 fn shard_optimizer(opt: &mut Optimizer, sync: &GradSync, config: &Config, dist: &Dist) {
     if sync.zero_stage() > 0 {
