@@ -136,8 +136,10 @@ pub struct DistConfig {
     /// ZeRO stage, as DeepSpeed numbers them: 0 = every process keeps the whole optimizer
     /// state and gradient; 1 = each keeps AdamW's moments for its 1/N of the parameters
     /// (gradients reduce-scattered, updated parameters all-gathered); 2 = also only its 1/N
-    /// of the summed gradient (every micro-batch reduced as its backward completes). Needs
-    /// transport "mpi". Checkpoints are the same at every stage.
+    /// of the summed gradient (every micro-batch reduced as its backward completes); 3 = also
+    /// only its 1/N of the parameters (each layer's weights gathered just before it runs, in
+    /// forward and backward, and dropped after). Needs transport "mpi". Checkpoints are the
+    /// same at every stage.
     pub zero_stage: u8,
 }
 
@@ -148,12 +150,11 @@ impl DistConfig {
         }
         match self.zero_stage {
             0 => {}
-            1 | 2 if self.transport == Transport::Tcp => bail!(
+            1..=3 if self.transport == Transport::Tcp => bail!(
                 "dist.zero_stage = {}: ZeRO's reduce-scatter and all-gather run over MPI; set dist.transport = \"mpi\"",
                 self.zero_stage
             ),
-            1 | 2 => {}
-            3 => bail!("dist.zero_stage = 3 (sharded parameters) is not available yet; stages 1 and 2 shard the optimizer state and the gradients"),
+            1..=3 => {}
             n => bail!("dist.zero_stage = {n}: must be 0, 1, 2 or 3 (DeepSpeed's ZeRO stages)"),
         }
         Ok(())

@@ -279,6 +279,39 @@ impl FlatParams {
         }
     }
 
+    /// A range of the parameters as a mutable slice, for an all-gather to write into.
+    ///
+    /// # Safety
+    /// As [`FlatParams::params_mut`], for this range.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn params_range_mut(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        &mut f32_slice_mut(&self.params, self.numel() as usize)[range]
+    }
+
+    /// Gives the whole pages inside `range` of the parameters back to the kernel
+    /// (MADV_DONTNEED): under ZeRO stage 3 a layer's weights that other ranks own are dropped
+    /// once used, and read as zeros until gathered again (so a layer run without its weights
+    /// shows in the numbers instead of quietly using stale ones).
+    pub fn release_params(&self, range: std::ops::Range<usize>) {
+        // SAFETY: the caller is done with this range until it gathers it again, and nothing
+        // else reads or writes it meanwhile.
+        let params = unsafe { self.params_range_mut(range) };
+        let addr = params.as_mut_ptr() as usize;
+        let first_page = addr.next_multiple_of(4096);
+        let end = (addr + std::mem::size_of_val(params)) / 4096 * 4096;
+        if end > first_page {
+            // SAFETY: whole pages inside the range, of a private anonymous mapping (a heap
+            // allocation of the parameters' size) that nothing uses now. Advice only.
+            unsafe {
+                libc::madvise(
+                    first_page as *mut libc::c_void,
+                    end - first_page,
+                    libc::MADV_DONTNEED,
+                );
+            }
+        }
+    }
+
     /// (name, numel) of every parameter in buffer order: what a checkpoint's optimizer state
     /// must match to be restored.
     pub fn layout(&self) -> Vec<(String, i64)> {

@@ -1,4 +1,4 @@
-//! ZeRO stages 1 and 2 (`dist.zero_stage`) under `mpirun` (MPICH's, or Intel MPI's with
+//! ZeRO stages 1, 2 and 3 (`dist.zero_stage`) under `mpirun` (MPICH's, or Intel MPI's with
 //! scripts/test_intel_mpi.sh): the same numbers as stage 0, checkpoints that any stage and
 //! world size resume, and the bytes each stage puts on the wire. The MPI tests skip with a
 //! message where no `mpirun` is on PATH.
@@ -66,10 +66,12 @@ fn kept_share(log: &str) -> f64 {
 }
 
 /// The tiny BERT classifier, 20 steps with 2-fold accumulation, at 2 and 4 ranks: stages 1
-/// and 2 equal stage 0 (with many small buckets, so each rank's shard is spread over the
-/// whole model), and rank 0 keeps state for 1/N of the parameters.
+/// to 3 equal stage 0 (with many small buckets, so each rank's shard is spread over the
+/// whole model), and rank 0 keeps state for 1/N of the parameters. Stage 3 drops the weights
+/// other ranks own after each use (they read as zeros until gathered again), so a layer run
+/// without its gathered weights would show in the losses.
 #[test]
-fn stages_1_and_2_equal_stage_0_on_an_encoder() {
+fn stages_1_to_3_equal_stage_0_on_an_encoder() {
     let Some(mpirun) = require_mpirun() else {
         return;
     };
@@ -87,7 +89,7 @@ fn stages_1_and_2_equal_stage_0_on_an_encoder() {
             (train(&mpirun, ranks, &config, &sets), out)
         };
         let (_, base) = run(0, &[]);
-        for stage in [1, 2] {
+        for stage in [1, 2, 3] {
             let (log, out) = run(stage, &[]);
             assert_same_run(&format!("{ranks} ranks, stage {stage}"), &out, &base);
             let share = kept_share(&log);
@@ -105,6 +107,9 @@ fn stages_1_and_2_equal_stage_0_on_an_encoder() {
             // recomputed, the buckets launched as backward completes them.
             let (_, ck) = run(2, &["train.gradient_checkpointing=true"]);
             assert_same_run("2 ranks, stage 2, activation checkpointing", &ck, &base);
+            // Stage 3 gathers each layer again before its recomputation.
+            let (_, ck3) = run(3, &["train.gradient_checkpointing=true"]);
+            assert_same_run("2 ranks, stage 3, activation checkpointing", &ck3, &base);
         }
     }
 }
@@ -129,9 +134,9 @@ fn llama_config(dir: &Path, name: &str, lora: bool) -> (PathBuf, PathBuf) {
     (config.write(&dir.join(format!("{name}.toml"))), out)
 }
 
-/// The tiny Llama (grouped-query attention, rotary positions, tied embeddings) at stage 2
-/// equals stage 0, and so does LoRA at stages 1 and 2 (with activation checkpointing at 2),
-/// where only the adapters are sharded.
+/// The tiny Llama (grouped-query attention, rotary positions, tied embeddings) at stages 2
+/// and 3 equals stage 0, and so does LoRA at stages 1 to 3 (with activation checkpointing at
+/// 2), where only the adapters are sharded.
 /// LoRA's adapters are 896 values (see tests/mpi.rs), in one bucket: stage 1 sends a
 /// reduce-scatter and an all-gather of them, as many bytes as stage 0's allreduce.
 #[test]
@@ -143,9 +148,11 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
     let dir = tmp.path();
     let (c0, base) = llama_config(dir, "stage0", false);
     train(&mpirun, 2, &c0, &["dist.zero_stage=0".into()]);
-    let (c2, out2) = llama_config(dir, "stage2", false);
-    train(&mpirun, 2, &c2, &["dist.zero_stage=2".into()]);
-    assert_same_run("tiny Llama, 2 ranks, stage 2", &out2, &base);
+    for stage in [2, 3] {
+        let (c, out) = llama_config(dir, &format!("stage{stage}"), false);
+        train(&mpirun, 2, &c, &[format!("dist.zero_stage={stage}")]);
+        assert_same_run(&format!("tiny Llama, 2 ranks, stage {stage}"), &out, &base);
+    }
 
     let adapters = |out: &Path| {
         let mut w =
@@ -157,7 +164,7 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
     let (l0, lora0) = llama_config(dir, "lora-stage0", true);
     train(&mpirun, 2, &l0, &[]);
     let totals = allreduce_bytes(STEP_TOTALS, 8, 2);
-    for stage in [1u8, 2] {
+    for stage in [1u8, 2, 3] {
         let (c, out) = llama_config(dir, &format!("lora-stage{stage}"), true);
         // Stage 2 with activation checkpointing too (LoRA's frozen embeddings end the
         // recomputation a stage early).
@@ -173,7 +180,11 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
         let wmax = max_weight_diff(&adapters(&out), &adapters(&lora0));
         eprintln!("LoRA, stage {stage}: losses {worst:e}, adapters {wmax:e}");
         assert!(worst <= 1e-5 && wmax <= 1e-5, "{l:?} vs {w:?}; {wmax:e}");
-        let want = 2 * scatter_bytes(896, 4, 2) + totals;
+        // Stage 3 gathers each layer's adapters twice (forward, backward) instead of once.
+        let want = match stage {
+            3 => 3 * scatter_bytes(896, 4, 2) + totals,
+            _ => 2 * scatter_bytes(896, 4, 2) + totals,
+        };
         let sent = common::bytes_per_step(&out);
         assert_eq!(sent.len(), 12);
         assert!(sent.iter().all(|&b| b == want as f64), "{sent:?} vs {want}");
@@ -186,8 +197,8 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
 }
 
 /// Checkpoints hold the whole optimizer state at every stage, so a run saved at stage 2 on 2
-/// ranks continues at stage 0 on 1 rank (2-fold accumulation), and one saved at stage 0 on 1
-/// rank continues at stage 1 on 2 ranks: per-step losses and final weights equal the
+/// ranks continues at stage 0 on 1 rank (2-fold accumulation), one saved at stage 0 on 1
+/// rank continues at stage 1 on 2 ranks, and one saved at stage 3 continues at stage 0: per-step losses and final weights equal the
 /// uninterrupted run's within 1e-5 (the summation-order difference between the layouts).
 #[test]
 fn a_checkpoint_resumes_at_another_stage_and_world_size() {
@@ -197,7 +208,11 @@ fn a_checkpoint_resumes_at_another_stage_and_world_size() {
     let tmp = tempfile::tempdir().unwrap();
     let data = mpi_data(tmp.path());
     // (saved by: ranks, accumulation, stage) -> (resumed by: ranks, accumulation, stage)
-    for ((r1, a1, s1), (r2, a2, s2)) in [((2, 1, 2), (1, 2, 0)), ((1, 2, 0), (2, 1, 1))] {
+    for ((r1, a1, s1), (r2, a2, s2)) in [
+        ((2, 1, 2), (1, 2, 0)),
+        ((1, 2, 0), (2, 1, 1)),
+        ((2, 1, 3), (1, 2, 0)),
+    ] {
         let name = format!("{r1}x{a1}-stage{s1}-then-{r2}x{a2}-stage{s2}");
         let (full_cfg, full) = mpi_config(tmp.path(), &data, &format!("{name}-full"), 4, a1, 8);
         let sets = |stage: u8| {
@@ -225,8 +240,8 @@ fn a_checkpoint_resumes_at_another_stage_and_world_size() {
     }
 }
 
-/// A stage outside 0-3, stage 3, and ZeRO over the TCP ring are refused before anything
-/// runs, with one line naming the key.
+/// A stage outside 0-3 and ZeRO over the TCP ring are refused before anything runs, with one
+/// line naming the key.
 #[test]
 fn bad_zero_settings_get_one_line() {
     let tmp = tempfile::tempdir().unwrap();
@@ -238,12 +253,8 @@ fn bad_zero_settings_get_one_line() {
             "dist.zero_stage = 7: must be 0, 1, 2 or 3",
         ),
         (
-            vec!["dist.zero_stage=3"],
-            "dist.zero_stage = 3 (sharded parameters) is not available yet",
-        ),
-        (
-            vec!["dist.zero_stage=2", "dist.transport=tcp"],
-            "dist.zero_stage = 2: ZeRO's reduce-scatter and all-gather run over MPI; set dist.transport = \"mpi\"",
+            vec!["dist.zero_stage=3", "dist.transport=tcp"],
+            "dist.zero_stage = 3: ZeRO's reduce-scatter and all-gather run over MPI; set dist.transport = \"mpi\"",
         ),
     ] {
         let mut cmd = Command::new(BIN);

@@ -124,6 +124,20 @@ impl std::fmt::Debug for Boundary<'_> {
 pub struct Stages<'a> {
     pub cuts: Vec<Boundary<'a>>,
     checkpoint: bool,
+    /// Told when each layer's stage runs, where its weights are not always held (ZeRO 3).
+    params: Option<&'a dyn LayerParams>,
+}
+
+/// Where the layers' weights live when a rank does not hold them all the time (ZeRO stage 3,
+/// FSDP's FULL_SHARD): told just before a layer's stage runs, in forward and again in backward
+/// (with its recomputation), and when it is done with them. Stages are numbered as
+/// [`TaskModel::backward_stage`] numbers them: layers L (the first) to 1 (the last).
+pub trait LayerParams {
+    /// Layer stage `stage` is about to run; `next` runs after it (its weights may be fetched
+    /// meanwhile).
+    fn need(&self, stage: usize, next: usize);
+    /// Layer stage `stage` is done with its weights until it next needs them.
+    fn done(&self, stage: usize);
 }
 
 /// Backward of a forward pass cut into `stages`: `loss.backward()` (the heads, and the last
@@ -136,22 +150,51 @@ pub fn backward_by_stages(
     stages: &Stages,
     mut after: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
-    loss.backward();
     // Checkpointing adds a cut at the last layer's output: the loss reaches only the heads.
     let layers = stages
         .cuts
         .len()
         .saturating_sub(usize::from(stages.checkpoint));
-    after(if stages.checkpoint { 0 } else { 1 })?;
+    let (need, done) = stages.announcers();
+    // Without checkpointing the loss's backward also runs the last layer (stage 1).
+    let first = if stages.checkpoint { 0 } else { 1 };
+    need(first);
+    loss.backward();
+    after(first)?;
+    done(first);
     for (k, cut) in stages.cuts.iter().enumerate().rev() {
+        let stage = layers + 1 - k;
+        need(stage);
         let below = cut.below();
         // Below a frozen stage (LoRA's embeddings) there is nothing left to differentiate.
         if below.requires_grad() {
             (&below * cut.leaf.grad()).sum(tch::Kind::Float).backward();
         }
-        after(layers + 1 - k)?;
+        drop(below);
+        after(stage)?;
+        done(stage);
     }
     Ok(())
+}
+
+impl Stages<'_> {
+    /// `need(stage)` and `done(stage)` for backward, which runs stages upwards: the layer
+    /// params told of each layer stage (1..=L), or nothing.
+    fn announcers(&self) -> (impl Fn(usize) + '_, impl Fn(usize) + '_) {
+        let layers = self.cuts.len().saturating_sub(usize::from(self.checkpoint));
+        let layer = move |s: usize| (1..=layers).contains(&s);
+        let need = move |s: usize| {
+            if let Some(p) = self.params.filter(|_| layer(s)) {
+                p.need(s, s + 1);
+            }
+        };
+        let done = move |s: usize| {
+            if let Some(p) = self.params.filter(|_| layer(s)) {
+                p.done(s);
+            }
+        };
+        (need, done)
+    }
 }
 
 /// Runs `layers` in order from `x`; with `stages`, cuts the graph at each layer's input
@@ -179,6 +222,8 @@ fn run_stack_reading<'a, L>(
 ) -> Tensor {
     let forward = std::rc::Rc::new(forward);
     let checkpoint = stages.as_ref().is_some_and(|s| s.checkpoint);
+    let params = stages.as_ref().and_then(|s| s.params);
+    let n = layers.len();
     // How to compute `x` again, with a graph, when it came from a checkpointed layer.
     let mut again: Option<Recompute<'a>> = None;
     for (i, layer) in layers.iter().enumerate() {
@@ -193,6 +238,11 @@ fn run_stack_reading<'a, L>(
             });
             x = leaf;
         }
+        // This layer's stage (see `TaskModel::backward_stage`), its weights fetched first.
+        let stage = n - i;
+        if let Some(p) = params {
+            p.need(stage, stage - 1);
+        }
         if checkpoint {
             let (input, stream) = (x.shallow_clone(), layers::dropout_stream());
             x = tch::no_grad(|| forward(layer, &x, positions));
@@ -206,6 +256,9 @@ fn run_stack_reading<'a, L>(
             }));
         } else {
             x = forward(layer, &x, positions);
+        }
+        if let Some(p) = params {
+            p.done(stage);
         }
     }
     if let (Some(s), Some(again)) = (stages, again) {
@@ -482,9 +535,22 @@ impl TaskModel {
         train: bool,
         checkpoint: bool,
     ) -> (ModelOutput, Stages<'_>) {
+        self.forward_sharded(inputs, train, checkpoint, None)
+    }
+
+    /// As [`TaskModel::forward_staged`], telling `params` when each layer needs its weights
+    /// (in forward, and in backward by stages): ZeRO stage 3 fetches them then.
+    pub fn forward_sharded<'a>(
+        &'a self,
+        inputs: &EncoderInputs,
+        train: bool,
+        checkpoint: bool,
+        params: Option<&'a dyn LayerParams>,
+    ) -> (ModelOutput, Stages<'a>) {
         let mut stages = Stages {
             cuts: Vec::new(),
             checkpoint,
+            params,
         };
         let out = self.forward_impl(inputs, train, Some(&mut stages));
         (out, stages)

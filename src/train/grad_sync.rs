@@ -21,6 +21,8 @@ use crate::dist::{chunk, Dist, Pending};
 use crate::models::{backward_by_stages, Stages, TaskModel};
 use crate::optim::{FlatParams, Optimizer, Shard, Slot};
 
+use super::layer_shards::LayerShards;
+
 /// A run of whole parameters reduced together: elements of the flat buffer and the slots
 /// (parameters) they hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,14 +32,23 @@ pub struct Bucket {
 }
 
 /// Cuts the flat buffer into buckets of about `bytes` (never splitting a parameter), in
-/// buffer order, i.e. the order backward fills them.
-pub fn plan_buckets(slots: &[Slot], bytes: usize) -> Vec<Bucket> {
+/// buffer order, i.e. the order backward fills them; with `stage`, also wherever the stage
+/// changes (ZeRO stage 3 gathers a layer's buckets alone).
+pub fn plan_buckets(
+    slots: &[Slot],
+    bytes: usize,
+    stage: Option<&dyn Fn(&str) -> usize>,
+) -> Vec<Bucket> {
     let cap = (bytes / 4).max(1);
     let mut out = Vec::new();
     let (mut start, mut first) = (0usize, 0usize);
     for (i, slot) in slots.iter().enumerate() {
         let end = (slot.offset + slot.numel) as usize;
-        if end - start >= cap || i + 1 == slots.len() {
+        let stage_ends = match (stage, slots.get(i + 1)) {
+            (Some(stage), Some(next)) => stage(&slot.name) != stage(&next.name),
+            _ => false,
+        };
+        if end - start >= cap || i + 1 == slots.len() || stage_ends {
             out.push(Bucket {
                 elems: start..end,
                 slots: first..i + 1,
@@ -107,12 +118,14 @@ pub fn own_chunks(buckets: &[Bucket], world: usize, rank: usize) -> Vec<Range<us
 
 impl GradSync {
     pub fn new(flat: &FlatParams, model: &TaskModel, config: &Config, dist: &Dist) -> Self {
+        let (world, rank) = (dist.topo.world, dist.topo.rank);
+        let zero_stage = if world > 1 { config.dist.zero_stage } else { 0 };
+        let stage_of = |name: &str| model.backward_stage(name);
         let buckets = plan_buckets(
             &flat.slots,
             (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
+            (zero_stage == 3).then_some(&stage_of as &dyn Fn(&str) -> usize),
         );
-        let (world, rank) = (dist.topo.world, dist.topo.rank);
-        let zero_stage = if world > 1 { config.dist.zero_stage } else { 0 };
         let own = own_chunks(&buckets, world, rank);
         let own_at = own
             .iter()
@@ -162,6 +175,15 @@ impl GradSync {
         Shard {
             ranges: self.own.clone(),
         }
+    }
+
+    /// Under ZeRO stage 3, the layers' weights gathered and dropped around their use (the
+    /// buckets never straddle two stages there); None at other stages.
+    pub fn layer_shards(&self, layers: usize) -> Option<LayerShards> {
+        (self.zero_stage == 3).then(|| {
+            let buckets = self.buckets.iter().map(|b| b.elems.clone()).collect();
+            LayerShards::new(buckets, self.own.clone(), &self.stages, layers)
+        })
     }
 
     /// Whether every micro-batch's gradient is reduced as its backward completes (stage 2,
@@ -239,10 +261,11 @@ impl GradSync {
         Ok(())
     }
 
-    /// Under ZeRO, after the optimizer step: every rank's updated chunks of the parameters
-    /// gathered into every rank's copy, all buckets in flight at once.
+    /// Under ZeRO stages 1 and 2, after the optimizer step: every rank's updated chunks of the
+    /// parameters gathered into every rank's copy, all buckets in flight at once. (Stage 3
+    /// gathers each layer when it is next needed: `LayerShards`.)
     pub fn gather_params(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
-        if self.zero_stage == 0 {
+        if !matches!(self.zero_stage, 1 | 2) {
             return Ok(());
         }
         // SAFETY: the optimizer is done with the parameters, and no libtorch op runs on them
@@ -314,8 +337,21 @@ mod tests {
         };
         let slots = [slot(0, 100), slot(100, 500), slot(600, 200), slot(800, 300)];
         let elems = |b: Vec<Bucket>| b.into_iter().map(|b| b.elems).collect::<Vec<_>>();
-        assert_eq!(elems(plan_buckets(&slots, 2400)), vec![0..600, 600..1100]);
-        assert_eq!(plan_buckets(&slots, 2400)[1].slots, 2..4);
-        assert_eq!(elems(plan_buckets(&slots, 4 * 1_000_000)), vec![0..1100]);
+        assert_eq!(
+            elems(plan_buckets(&slots, 2400, None)),
+            vec![0..600, 600..1100]
+        );
+        assert_eq!(plan_buckets(&slots, 2400, None)[1].slots, 2..4);
+        assert_eq!(
+            elems(plan_buckets(&slots, 4 * 1_000_000, None)),
+            vec![0..1100]
+        );
+        // ZeRO stage 3 also cuts where the stage changes (here between the second and third).
+        let stage = |name: &str| usize::from(name == "deep");
+        let mut staged = slots.clone();
+        staged[2].name = "deep".into();
+        staged[3].name = "deep".into();
+        let got = elems(plan_buckets(&staged, 4 * 1_000_000, Some(&stage)));
+        assert_eq!(got, vec![0..600, 600..1100]);
     }
 }

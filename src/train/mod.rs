@@ -14,6 +14,7 @@
 mod dataset;
 pub mod eval;
 mod grad_sync;
+mod layer_shards;
 pub mod memory;
 pub mod profile;
 pub mod setup;
@@ -32,7 +33,7 @@ use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
 use crate::data::masking::Masking;
 use crate::dist::Dist;
 use crate::models::layers::{seed_dropout, AutocastGuard};
-use crate::models::{backward_by_stages, TaskModel};
+use crate::models::{backward_by_stages, LayerParams, TaskModel};
 use crate::optim::{AdamW, AdamWConfig, FlatParams, LrSchedule, Optimizer};
 use crate::report::tensorboard::EventWriter;
 use crate::report::{MetricsLog, Progress};
@@ -42,6 +43,7 @@ use crate::tasks::{self, EvalSet};
 use dataset::resolve_data;
 use eval::{evaluate, write_eval_results, EvalOptions};
 use grad_sync::{agree_and_broadcast, GradSync};
+use layer_shards::LayerShards;
 use profile::StepProfiler;
 use setup::{on_every_rank, prepare, prepare_output_dir, resolve_model, set_up_numerics};
 use window::{StepOutcome, StepTimes, StepWindow};
@@ -187,6 +189,8 @@ pub struct Trainer<'a> {
     total_steps: usize,
     opt: Optimizer,
     sync: GradSync,
+    /// ZeRO stage 3: the layers' weights gathered around their use.
+    layers: Option<LayerShards>,
     state: TrainerState,
     log: Option<MetricsLog>,
     /// TensorBoard event file (rank 0, `train.report_to`).
@@ -237,6 +241,7 @@ impl<'a> Trainer<'a> {
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
         let (mut opt, sync) = training_state(config, dist, &mut p, total_steps)?;
+        let layers = sync.layer_shards(p.model.config.num_layers as usize);
         startup::mark("optimizer");
         let mut state = start_state(config, resume_dir.as_deref(), &mut opt, &plan, total_steps)?;
         state.world_size = dist.topo.world;
@@ -266,6 +271,7 @@ impl<'a> Trainer<'a> {
             total_steps,
             opt,
             sync,
+            layers,
             state,
             log,
             tensorboard,
@@ -402,6 +408,9 @@ impl<'a> Trainer<'a> {
         let (mut loss_sum, mut tokens) = (0.0, 0usize);
         let step = self.state.global_step + 1;
         self.sync.begin(step);
+        if let Some(layers) = &self.layers {
+            layers.begin_step(&self.opt.flat, self.dist)?;
+        }
         // ZeRO stage 2 reduces every micro-batch, so every rank takes part in as many rounds
         // as rank 0 has micro-batches (the first ranks have the most), with zeros where it
         // has none left.
@@ -419,6 +428,8 @@ impl<'a> Trainer<'a> {
                     self.micro_step(m, indices, micro_in_step, staged, times)?;
                 loss_sum += loss;
                 tokens += real_tokens;
+            } else if let Some(layers) = &self.layers {
+                layers.idle_pass(&self.opt.flat, self.dist)?;
             }
             if every {
                 let t = Instant::now();
@@ -426,6 +437,9 @@ impl<'a> Trainer<'a> {
                 self.sync.begin(step);
                 times.comm_exposed += t.elapsed().as_secs_f64();
             }
+        }
+        if let Some(layers) = &self.layers {
+            layers.end_step(&self.opt.flat, self.dist)?;
         }
         Ok((loss_sum, tokens))
     }
@@ -464,9 +478,17 @@ impl<'a> Trainer<'a> {
         self.opt.catch_up(&inputs.input_ids)?;
         // Activation checkpointing needs the pass cut into stages, to recompute them.
         let checkpoint = self.config.train.gradient_checkpointing;
+        // ZeRO stage 3: each layer's weights gathered as it comes (all its passes are staged).
+        let pass = self
+            .layers
+            .as_ref()
+            .map(|l| l.for_pass(&self.opt.flat, self.dist));
+        let params = pass.as_ref().map(|p| p as &dyn LayerParams);
         let (output, stages) = match staged || checkpoint {
             true => {
-                let (output, stages) = self.model.forward_staged(&inputs, true, checkpoint);
+                let (output, stages) = self
+                    .model
+                    .forward_sharded(&inputs, true, checkpoint, params);
                 (output, Some(stages))
             }
             false => (self.model.forward(&inputs, true), None),
@@ -480,6 +502,9 @@ impl<'a> Trainer<'a> {
                 .backward_staged(&loss, stages, &self.opt, self.dist)?,
             (Some(stages), false) => backward_by_stages(&loss, stages, |_| Ok(()))?,
             (None, _) => loss.backward(),
+        }
+        if let Some(layers) = &self.layers {
+            layers.take_error()?;
         }
         times.backward += t.elapsed().as_secs_f64();
         Ok((loss.double_value(&[]), real_tokens))
@@ -520,12 +545,16 @@ impl<'a> Trainer<'a> {
             EvalStrategy::Epoch => epoch_done,
             EvalStrategy::No => false,
         };
+        if eval_now || last {
+            self.hold_whole_model()?;
+        }
         let evaluated = (eval_now || last) && self.evaluate(epoch)?;
         let save_now = (tc.save_steps > 0 && step % tc.save_steps == 0)
             || last
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
         if save_now {
+            self.hold_whole_model()?;
             // Every rank's share of the optimizer state, gathered on rank 0, which saves.
             let moments = self.whole_moments()?;
             if let Some(moments) = moments {
@@ -533,6 +562,15 @@ impl<'a> Trainer<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Under ZeRO stage 3, the whole model gathered on every rank, for evaluation and saving
+    /// (the next step drops it again).
+    fn hold_whole_model(&self) -> Result<()> {
+        match &self.layers {
+            Some(layers) => layers.hold_whole(&self.opt.flat, self.dist),
+            None => Ok(()),
+        }
     }
 
     /// The AdamW moments over the whole model, as checkpoints save them: on rank 0 (None on
@@ -740,6 +778,7 @@ impl<'a> Trainer<'a> {
     /// the plot; every rank reports.
     fn finish(mut self) -> Result<Summary> {
         self.progress.finish();
+        self.hold_whole_model()?;
         let root = self.dist.is_root();
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
@@ -847,7 +886,8 @@ fn announce_zero(config: &Config, dist: &Dist, opt: &Optimizer) {
     let (all, mine) = (opt.flat.numel(), opt.adamw.shard().numel());
     let what = match stage {
         1 => "optimizer state",
-        _ => "optimizer state and gradients",
+        2 => "optimizer state and gradients",
+        _ => "optimizer state, gradients and parameters",
     };
     tracing::info!(
         "ZeRO stage {stage}: {what} sharded over {} processes (rank 0 keeps {mine} of {all} parameters' state)",
