@@ -261,22 +261,7 @@ impl FlatParams {
         // and nothing else reads or writes it meanwhile.
         let grads = unsafe { self.grads_mut(range) };
         grads.fill(0.0);
-        let addr = grads.as_mut_ptr() as usize;
-        let first_page = addr.next_multiple_of(4096);
-        let end = addr + std::mem::size_of_val(grads);
-        if end > first_page && (end - first_page) >= 4096 {
-            // SAFETY: whole pages inside the range, of a private anonymous mapping (the buffer
-            // is one, see `buffers::lazy_zeros`, or else a heap allocation, also private and
-            // anonymous) that nothing uses now; freed or not, they read as the zeros above.
-            // Advice only: where the kernel refuses it the pages simply stay.
-            unsafe {
-                libc::madvise(
-                    first_page as *mut libc::c_void,
-                    (end - first_page) / 4096 * 4096,
-                    libc::MADV_FREE,
-                );
-            }
-        }
+        give_back_pages(grads, libc::MADV_FREE);
     }
 
     /// A range of the parameters as a mutable slice, for an all-gather to write into.
@@ -296,20 +281,7 @@ impl FlatParams {
         // SAFETY: the caller is done with this range until it gathers it again, and nothing
         // else reads or writes it meanwhile.
         let params = unsafe { self.params_range_mut(range) };
-        let addr = params.as_mut_ptr() as usize;
-        let first_page = addr.next_multiple_of(4096);
-        let end = (addr + std::mem::size_of_val(params)) / 4096 * 4096;
-        if end > first_page {
-            // SAFETY: whole pages inside the range, of a private anonymous mapping (a heap
-            // allocation of the parameters' size) that nothing uses now. Advice only.
-            unsafe {
-                libc::madvise(
-                    first_page as *mut libc::c_void,
-                    end - first_page,
-                    libc::MADV_DONTNEED,
-                );
-            }
-        }
+        give_back_pages(params, libc::MADV_DONTNEED);
     }
 
     /// (name, numel) of every parameter in buffer order: what a checkpoint's optimizer state
@@ -324,6 +296,22 @@ impl FlatParams {
     /// The gradient's global L2 norm.
     pub fn grad_norm(&self) -> f64 {
         self.grads.norm().double_value(&[])
+    }
+}
+
+/// Advises the kernel (`advice`: MADV_FREE or MADV_DONTNEED) of the whole pages inside
+/// `values`, a range of a private anonymous mapping (the flat buffers: `buffers::lazy_zeros`,
+/// or a heap allocation of their size) that nothing uses until it is written again. Advice
+/// only: where the kernel refuses it the pages simply stay.
+fn give_back_pages(values: &mut [f32], advice: libc::c_int) {
+    let addr = values.as_mut_ptr() as usize;
+    let first_page = addr.next_multiple_of(4096);
+    let end = (addr + std::mem::size_of_val(values)) / 4096 * 4096;
+    if end > first_page {
+        // SAFETY: whole pages inside `values`, which the caller has to itself.
+        unsafe {
+            libc::madvise(first_page as *mut libc::c_void, end - first_page, advice);
+        }
     }
 }
 
@@ -547,6 +535,17 @@ impl AdamW {
                 g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>()
             })
             .sum()
+    }
+
+    /// After a step, where the shard keeps its own gradient (ZeRO stages 2 and 3): its pages,
+    /// zeroed by the step, marked free (MADV_FREE), so that what follows a step (a save that
+    /// gathers the whole model) can have them; the next step's sums write them again.
+    pub fn release_shard_grads(&self) {
+        if let Some(grads) = &self.shard_grads {
+            // SAFETY: the step is done with the gradient, and the next reduction has not begun.
+            let grads = unsafe { f32_slice_mut(grads, grads.numel()) };
+            give_back_pages(grads, libc::MADV_FREE);
+        }
     }
 
     /// The shard's moments by the names torch's `state_dict` gives them (after

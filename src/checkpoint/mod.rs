@@ -10,6 +10,7 @@
 //! checkpoint against its manifest first.
 
 pub mod manifest;
+pub mod streamed;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -328,6 +329,19 @@ pub fn save_final(output_dir: &Path, files: &ModelFiles) -> Result<()> {
     write_model_files(output_dir, files)
 }
 
+/// The optimizer moments a checkpoint saves: in memory, or already written to a synced file of
+/// the output directory (under ZeRO, as they were gathered), which moves into the checkpoint.
+pub enum OptimizerState {
+    Moments(Vec<(String, Tensor)>),
+    Written(PathBuf),
+}
+
+/// Where rank 0 writes the optimizer state of step `step` as it is gathered, before it moves
+/// into the checkpoint.
+pub fn streamed_optimizer_path(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!(".{OPTIMIZER_STATE}-{step}.partial"))
+}
+
 /// Writes `checkpoint-STEP` atomically and removes the oldest beyond `keep` (0 keeps all),
 /// never the state's best checkpoint nor the newest (so `keep` 1 can leave two, as
 /// transformers' rotation does).
@@ -335,7 +349,7 @@ pub fn save_checkpoint(
     output_dir: &Path,
     files: &ModelFiles,
     state: &TrainerState,
-    moments: &[(String, Tensor)],
+    optimizer: &OptimizerState,
     keep: usize,
 ) -> Result<PathBuf> {
     let final_dir = checkpoint_dir(output_dir, state.global_step);
@@ -351,7 +365,12 @@ pub fn save_checkpoint(
         .with_context(|| format!("cannot create {}", tmp.display()))
         .and_then(|()| {
             write_model_files(&tmp, files)?;
-            write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?;
+            match optimizer {
+                OptimizerState::Moments(moments) => {
+                    write_safetensors(&tmp.join(OPTIMIZER_STATE), moments)?
+                }
+                OptimizerState::Written(file) => publish(file, &tmp.join(OPTIMIZER_STATE))?,
+            }
             write_atomic(
                 &tmp.join(TRAINER_STATE),
                 serde_json::to_string_pretty(&state)?.as_bytes(),

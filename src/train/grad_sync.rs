@@ -12,10 +12,12 @@
 //! all-gathered, and every rank again holds the whole model.
 
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
+use crate::checkpoint::streamed::StreamedSafetensors;
 use crate::config::{Config, ReduceDtype};
 use crate::dist::{chunk, Dist, Pending};
 use crate::models::{backward_by_stages, Stages, TaskModel};
@@ -288,38 +290,35 @@ impl GradSync {
         Ok(())
     }
 
-    /// The moments of a sharded optimizer gathered whole on rank 0, a bucket at a time (no
-    /// rank holds more than one bucket of another rank's state): what a checkpoint saves, the
-    /// same whatever the stage and world size. None on the other ranks.
-    pub fn gather_moments(
+    /// The moments of a sharded optimizer gathered a bucket at a time (no rank holds more than
+    /// one bucket of another rank's state) and written by rank 0 to `path` as they arrive: a
+    /// checkpoint's optimizer.safetensors, the same whatever the stage and world size. Rank 0
+    /// gets the written file, or why it could not write it (the gathers go on to the end either
+    /// way, so that every rank leaves them together); the others get None.
+    pub fn write_moments(
         &self,
         moments: &[(String, Tensor)],
         dist: &Dist,
-    ) -> Result<Option<Vec<(String, Tensor)>>> {
+        path: &Path,
+    ) -> Result<Option<Result<PathBuf>>> {
         let numel = self.buckets.last().map_or(0, |b| b.elems.end);
-        let mut whole = Vec::with_capacity(moments.len());
+        let names: Vec<(String, usize)> = moments.iter().map(|(n, _)| (n.clone(), numel)).collect();
+        let mut file = dist
+            .is_root()
+            .then(|| StreamedSafetensors::create(path, &names));
         for (name, shard) in moments {
-            let full = dist
-                .is_root()
-                .then(|| Tensor::zeros([numel as i64], (Kind::Float, tch::Device::Cpu)));
-            for (i, b) in self.buckets.iter().enumerate() {
-                let at = self.own_at[i] as i64;
-                let mine = shard.narrow(0, at, self.own[i].len() as i64);
-                let mine = Vec::<f32>::try_from(&mine)?;
+            for (i, own) in self.own.iter().enumerate() {
+                let mine = shard.narrow(0, self.own_at[i] as i64, own.len() as i64);
                 let what = format!("optimizer state {name}, bucket {i}");
-                let parts = dist.all_gather_f32(&what, mine)?;
-                if let Some(full) = &full {
-                    let mut at = b.elems.start as i64;
-                    for part in parts {
-                        let len = part.len() as i64;
-                        full.narrow(0, at, len).copy_(&Tensor::from_slice(&part));
-                        at += len;
+                let parts = dist.all_gather_f32(&what, Vec::<f32>::try_from(&mine)?)?;
+                if let Some(Ok(out)) = &mut file {
+                    if let Err(e) = parts.iter().try_for_each(|part| out.append(part)) {
+                        file = Some(Err(e));
                     }
                 }
             }
-            whole.extend(full.map(|full| (name.clone(), full)));
         }
-        Ok(dist.is_root().then_some(whole))
+        Ok(file.map(|f| f.and_then(StreamedSafetensors::finish)))
     }
 }
 

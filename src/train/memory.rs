@@ -18,6 +18,9 @@ pub struct ModelShape {
     /// Every parameter, and those that train (all of them, or LoRA's adapters).
     pub params: f64,
     pub trainable: f64,
+    /// Trainable parameters outside the layers (embeddings, heads): ZeRO stage 3 holds them
+    /// through a step's passes.
+    pub outside_layers: f64,
     pub layers: f64,
     pub hidden: f64,
     pub intermediate: f64,
@@ -27,18 +30,23 @@ pub struct ModelShape {
 
 impl ModelShape {
     pub fn of(vs: &tch::nn::VarStore, model: &TaskModel) -> ModelShape {
-        let (mut params, mut trainable) = (0.0, 0.0);
-        for t in vs.variables().values() {
+        let (mut params, mut trainable, mut outside_layers) = (0.0, 0.0, 0.0);
+        let c = &model.config;
+        for (name, t) in vs.variables() {
             params += t.numel() as f64;
             if t.requires_grad() {
                 trainable += t.numel() as f64;
+                let stage = model.backward_stage(&name);
+                if stage == 0 || stage > c.num_layers as usize {
+                    outside_layers += t.numel() as f64;
+                }
             }
         }
-        let c = &model.config;
         let scores_tokens = matches!(model.head, Head::MaskedLm | Head::CausalLm);
         ModelShape {
             params,
             trainable,
+            outside_layers,
             layers: c.num_layers as f64,
             hidden: c.hidden_size as f64,
             intermediate: c.intermediate_size as f64,
@@ -130,8 +138,21 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
     };
     // Logits, log-probabilities and their gradient, (B, T, V) fp32 each.
     let head = 3.0 * tokens * model.scored_vocab * 4.0;
+    let activations = layers + head;
+    let weights = match stage {
+        3 => {
+            // The frozen weights, this rank's chunks, the embeddings and heads, and two layers
+            // (one running, the next arriving); evaluation and saving hold the whole model, but
+            // no activations.
+            let layer = (model.trainable - model.outside_layers) / model.layers.max(1.0);
+            let frozen = model.params - model.trainable;
+            let pass = frozen + model.trainable / ranks + model.outside_layers + 2.0 * layer;
+            (4.0 * pass).max(4.0 * model.params - activations)
+        }
+        _ => 4.0 * model.params,
+    };
     Estimate {
-        weights: 4.0 * model.params,
+        weights,
         gradients: 4.0 * model.trainable * shard(stage >= 2),
         optimizer: 8.0 * model.trainable * shard(stage >= 1),
         send_buffers: if stage == 0 && run.world > 1 {
@@ -139,7 +160,7 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
         } else {
             0.0
         },
-        activations: layers + head,
+        activations,
         runtime: 0.5 * GB,
     }
 }
@@ -236,7 +257,7 @@ pub fn check(
 pub fn settings_that_fit(model: &ModelShape, run: &RunShape, room: f64) -> Vec<String> {
     let mut fits = Vec::new();
     let stages: Vec<u8> = match run.world > 1 {
-        true => (run.zero_stage..=2).collect(),
+        true => (run.zero_stage..=3).collect(),
         false => vec![run.zero_stage],
     };
     for checkpointing in [run.checkpointing, true] {
@@ -277,6 +298,7 @@ mod tests {
         ModelShape {
             params: 124.7e6,
             trainable: 124.7e6,
+            outside_layers: 24.6e6, // the tied embeddings, 32000 x 768
             layers: 12.0,
             hidden: 768.0,
             intermediate: 2048.0,
@@ -301,6 +323,12 @@ mod tests {
         assert_eq!(state(estimate(&m, &run(4, 0, false))), 16.0);
         assert_eq!(state(estimate(&m, &run(4, 1, false))), 10.0);
         assert_eq!(state(estimate(&m, &run(4, 2, false))), 7.0);
+        // Stage 3: 4 / 4 of each parameter's weight, its gradient and moments, and whole
+        // weights for the embeddings and two of the 12 layers (8.3M parameters each).
+        let layer = (124.7e6 - 24.6e6) / 12.0;
+        let held = 4.0 * (24.6e6 + 2.0 * layer) / 124.7e6;
+        let got = state(estimate(&m, &run(4, 3, false)));
+        assert!((got - (4.0 + held)).abs() < 1e-9, "{got}");
         // One process has nothing to shard, and no send buffers.
         assert_eq!(
             estimate(&m, &run(1, 2, false)),

@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::checkpoint::{self, ModelFiles, TokenizerFiles, TrainerState};
+use crate::checkpoint::{self, ModelFiles, OptimizerState, TokenizerFiles, TrainerState};
 use crate::config::{Config, EvalStrategy, OnSaveError, TrainConfig};
 use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
 use crate::data::masking::Masking;
@@ -364,6 +364,7 @@ impl<'a> Trainer<'a> {
                 .step_with_norm(self.state.global_step, totals[4].sqrt()),
             false => self.opt.step(self.state.global_step),
         };
+        self.opt.adamw.release_shard_grads();
         times.optimizer += t.elapsed().as_secs_f64();
         let t = Instant::now();
         self.sync.gather_params(&self.opt.flat, self.dist)?;
@@ -556,9 +557,8 @@ impl<'a> Trainer<'a> {
         if save_now {
             self.hold_whole_model()?;
             // Every rank's share of the optimizer state, gathered on rank 0, which saves.
-            let moments = self.whole_moments()?;
-            if let Some(moments) = moments {
-                self.save_checkpoint(&moments)?;
+            if let Some(optimizer) = self.optimizer_state()? {
+                self.save_checkpoint(optimizer)?;
             }
         }
         Ok(())
@@ -573,30 +573,41 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// The AdamW moments over the whole model, as checkpoints save them: on rank 0 (None on
-    /// the others), gathered from every rank's shard under ZeRO.
-    fn whole_moments(&mut self) -> Result<Option<Vec<(String, tch::Tensor)>>> {
+    /// The AdamW moments over the whole model, as checkpoints save them, on rank 0 (None on
+    /// the others): under ZeRO gathered from every rank's shard a bucket at a time and written
+    /// to a file as they arrive (or why rank 0 could not write it).
+    fn optimizer_state(&mut self) -> Result<Option<Result<OptimizerState>>> {
         self.opt.settle(); // lazily updated rows, up to this step
         let moments = self.opt.adamw.moments();
         if self.sync.zero_stage() > 0 {
-            return self.sync.gather_moments(&moments, self.dist);
+            let path = checkpoint::streamed_optimizer_path(&self.out, self.state.global_step);
+            let written = self.sync.write_moments(&moments, self.dist, &path)?;
+            return Ok(written.map(|w| w.map(OptimizerState::Written)));
         }
-        Ok(self.dist.is_root().then(|| moments.into_iter().collect()))
+        let moments = OptimizerState::Moments(moments.into_iter().collect());
+        Ok(self.dist.is_root().then_some(Ok(moments)))
     }
 
     /// Rank 0 saves a checkpoint of this step. A failed save has left every earlier checkpoint
     /// as it was; it ends the run or, with `train.on_save_error = "continue"`, is reported
     /// (log, metrics.jsonl) and training goes on.
-    fn save_checkpoint(&mut self, moments: &[(String, tch::Tensor)]) -> Result<()> {
+    fn save_checkpoint(&mut self, optimizer: Result<OptimizerState>) -> Result<()> {
         let (tc, step) = (&self.config.train, self.state.global_step);
         let started = Instant::now();
-        let saved = checkpoint::save_checkpoint(
-            &self.out,
-            &self.files(),
-            &self.state,
-            moments,
-            tc.save_total_limit,
-        );
+        let streamed = matches!(optimizer, Ok(OptimizerState::Written(_)) | Err(_));
+        let saved = optimizer.and_then(|o| {
+            checkpoint::save_checkpoint(
+                &self.out,
+                &self.files(),
+                &self.state,
+                &o,
+                tc.save_total_limit,
+            )
+        });
+        if streamed {
+            // Moved into the checkpoint, or left by a failed save: not kept either way.
+            let _ = std::fs::remove_file(checkpoint::streamed_optimizer_path(&self.out, step));
+        }
         match saved {
             Ok(dir) => {
                 self.sync_logs()?;
