@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # What each ZeRO stage costs and saves, measured (docs/memory.md): a job of 2 ranks on this
 # machine trains Llama-125M (configs/bench/llama-125m-clm.toml: seq 512, batch 1, fp32, one
-# thread a rank) for a few steps at dist.zero_stage 0, 1 and 2, and for each stage prints
+# thread a rank) for a few steps at dist.zero_stage 0 to 3, and for each stage prints
 #   - tokens/s (the median of the steps after the first 2) and each rank's peak RSS, the
 #     stages alternating for `rounds` rounds;
 #   - the least memory the whole job runs in: the smallest memory-cgroup limit (bisected to
 #     0.2 GB) under which it finishes 4 steps, the kernel taking back what it can (page cache, the
 #     pages stage 2 marks free) and killing the job where it cannot.
 # Needs root (a memory cgroup, v1 or v2) and a built target/release/sprtrain.
-# usage: sudo scripts/zero_memory.sh [steps (default 12)] [rounds (default 2)] [stages (default "0 1 2")]
+# usage: sudo scripts/zero_memory.sh [steps (default 12)] [rounds (default 2)] [stages (default "0 1 2 3")]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-12}
 rounds=${2:-2}
-stages=${3:-"0 1 2"}
+stages=${3:-"0 1 2 3"}
 bin=target/release/sprtrain
 config=configs/bench/llama-125m-clm.toml
 work=$(mktemp -d)
@@ -72,9 +72,9 @@ done
 echo "| stage | tokens/s (by round) | peak RSS per rank (GB, by round) | least memory for the job (GB) |"
 echo "| --- | --- | --- | --- |"
 for stage in $stages; do
-  # Bisect the least limit, in units of 0.2 GB, between 4 GB (too little at every stage)
+  # Bisect the least limit, in units of 0.2 GB, between 2 GB (too little at every stage)
   # and 8 GB (enough at every stage).
-  lo=20 hi=40 try=0
+  lo=10 hi=40 try=0
   while [ $((hi - lo)) -gt 1 ]; do
     mid=$(((lo + hi) / 2)) try=$((try + 1))
     if run "$stage" "$((mid * 200000000))" "s$stage-$try" 4; then hi=$mid; else lo=$mid; fi

@@ -273,15 +273,19 @@ impl FlatParams {
         &mut f32_slice_mut(&self.params, self.numel() as usize)[range]
     }
 
-    /// Gives the whole pages inside `range` of the parameters back to the kernel
-    /// (MADV_DONTNEED): under ZeRO stage 3 a layer's weights that other ranks own are dropped
-    /// once used, and read as zeros until gathered again (so a layer run without its weights
-    /// shows in the numbers instead of quietly using stale ones).
+    /// Drops `range` of the parameters until it is gathered again (ZeRO stage 3: a layer's
+    /// weights that other ranks own, once the layer is done): filled with NaN, its whole pages
+    /// marked free (MADV_FREE). The kernel takes such pages back when memory runs short (they
+    /// then read as zeros), and until then the next gather writes them again without a page
+    /// fault: giving them back at once (MADV_DONTNEED) cost Llama-125M at 2 ranks 20% of its
+    /// tokens/s (docs/performance-notes.md). Either way a layer run without its weights shows
+    /// in the numbers (NaN, or zeros) instead of quietly using stale ones.
     pub fn release_params(&self, range: std::ops::Range<usize>) {
         // SAFETY: the caller is done with this range until it gathers it again, and nothing
         // else reads or writes it meanwhile.
         let params = unsafe { self.params_range_mut(range) };
-        give_back_pages(params, libc::MADV_DONTNEED);
+        params.fill(f32::NAN);
+        give_back_pages(params, libc::MADV_FREE);
     }
 
     /// (name, numel) of every parameter in buffer order: what a checkpoint's optimizer state

@@ -2,7 +2,7 @@
 //! rank keeps only its own chunk of each parameter bucket. A layer's weights are all-gathered
 //! just before the layer runs, in forward and again in backward (before its recomputation
 //! under activation checkpointing), the next layer's gather already on the wire while this one
-//! computes, and given back to the kernel as soon as the layer is done. The embeddings and the
+//! computes, and dropped as soon as the layer is done (`FlatParams::release_params`). The embeddings and the
 //! heads (stages L + 1 and 0, which tied LM heads and DeBERTa's relative positions use across
 //! the whole pass) are gathered at the start of a step and dropped at its end. Evaluation and
 //! saving gather the whole model for their duration, as FSDP's `summon_full_params`.

@@ -139,21 +139,22 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
     // Logits, log-probabilities and their gradient, (B, T, V) fp32 each.
     let head = 3.0 * tokens * model.scored_vocab * 4.0;
     let activations = layers + head;
+    let gradients = 4.0 * model.trainable * shard(stage >= 2);
     let weights = match stage {
         3 => {
             // The frozen weights, this rank's chunks, the embeddings and heads, and two layers
-            // (one running, the next arriving); evaluation and saving hold the whole model, but
-            // no activations.
+            // (one running, the next arriving); evaluation and saving, after a step, hold the
+            // whole model but no activations, and the gradient's pages are free by then.
             let layer = (model.trainable - model.outside_layers) / model.layers.max(1.0);
             let frozen = model.params - model.trainable;
             let pass = frozen + model.trainable / ranks + model.outside_layers + 2.0 * layer;
-            (4.0 * pass).max(4.0 * model.params - activations)
+            (4.0 * pass).max(4.0 * model.params - activations - gradients)
         }
         _ => 4.0 * model.params,
     };
     Estimate {
         weights,
-        gradients: 4.0 * model.trainable * shard(stage >= 2),
+        gradients,
         optimizer: 8.0 * model.trainable * shard(stage >= 1),
         send_buffers: if stage == 0 && run.world > 1 {
             4.0 * model.trainable
