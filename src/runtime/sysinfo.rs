@@ -83,10 +83,19 @@ pub fn process_age_s() -> Option<f64> {
 
 /// The most resident memory this process has held so far (VmHWM), in MiB.
 pub fn peak_rss_mib() -> Option<f64> {
+    status_kib("VmHWM:").map(|kib| kib / 1024.0)
+}
+
+/// This process's resident memory now, in bytes.
+pub fn rss_bytes() -> Option<f64> {
+    status_kib("VmRSS:").map(|kib| kib * 1024.0)
+}
+
+/// A `/proc/self/status` line's value in KiB.
+fn status_kib(key: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024.0)
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 pub fn libtorch_version() -> &'static str {

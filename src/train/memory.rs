@@ -167,7 +167,8 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
 }
 
 /// Memory this node has for each of its `local_ranks`: `runtime.memory_limit_gb` where set,
-/// else MemAvailable (or a smaller cgroup limit), shared equally; with where it came from.
+/// else MemAvailable (or a smaller cgroup limit), shared equally, plus what this process holds
+/// already (the estimate counts the model it has built); with where it came from.
 pub fn available_per_rank(limit_gb: f64, local_ranks: usize) -> Option<(f64, String)> {
     let ranks = local_ranks.max(1) as f64;
     if limit_gb > 0.0 {
@@ -179,7 +180,8 @@ pub fn available_per_rank(limit_gb: f64, local_ranks: usize) -> Option<(f64, Str
         Some(room) if room < available => (room, "its memory cgroup's limit"),
         _ => (available, "MemAvailable"),
     };
-    Some((bytes / ranks, source.into()))
+    let held = crate::runtime::sysinfo::rss_bytes().unwrap_or(0.0);
+    Some((bytes / ranks + held, format!("{source}, and what the rank holds now")))
 }
 
 /// A `/proc/meminfo` line's value in bytes.
