@@ -529,6 +529,18 @@ pub struct ModelConfig {
     /// Hub id and the Hub cannot be reached, the model is built from it with random weights
     /// (with a warning) instead of failing; empty = fail.
     pub offline_fallback: String,
+    /// dtype of the frozen base weights under LoRA (PEFT users load with `torch_dtype`):
+    /// "fp32", or "bf16" (half their memory; the adapters and their optimizer state stay
+    /// fp32). bf16 weights compute in bf16: `runtime.precision` must resolve to "bf16".
+    pub dtype: WeightDtype,
+}
+
+/// The dtype frozen weights are kept in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    Fp32,
+    Bf16,
 }
 
 impl Default for ModelConfig {
@@ -543,6 +555,7 @@ impl Default for ModelConfig {
             random_init: false,
             tokenizer_file: String::new(),
             offline_fallback: String::new(),
+            dtype: WeightDtype::Fp32,
         }
     }
 }
@@ -854,6 +867,9 @@ impl Config {
         }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size: must be at least 1");
+        }
+        if self.model.dtype == WeightDtype::Bf16 && self.lora.r == 0 {
+            bail!("model.dtype = \"bf16\" keeps LoRA's frozen base in bf16: set lora.r (full fine-tuning keeps fp32 weights, as its optimizer updates them)");
         }
         let l = &self.lora;
         if l.bias != "none" {

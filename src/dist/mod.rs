@@ -60,7 +60,7 @@ enum Job {
     AllreduceInto(Vec<f32>, Destination, bool, Sender<Vec<f32>>),
     AllreduceF64(Vec<f64>, Sender<Vec<f64>>),
     /// Sum, keeping only this rank's chunk (see [`chunk`]), written or (true) added into
-    /// `Destination`; the send buffer comes back. The bool before it: bf16 on the wire.
+    /// `Destination`; the send buffer is freed once summed. The bool before it: bf16 on the wire.
     ReduceScatterInto(Vec<f32>, Destination, bool, bool, Sender<Vec<f32>>),
     /// Every rank's chunk of `Destination` (the whole buffer) into every rank's copy; this
     /// rank's chunk is the first buffer, which comes back.
@@ -216,7 +216,8 @@ fn serve(comms: Comms, jobs: Receiver<Job>) {
                 } else {
                     out.copy_from_slice(&mine);
                 }
-                let _ = reply.send(send);
+                drop(send);
+                let _ = reply.send(Vec::new());
             }
             Job::AllGatherInto(mine, dst, reply) => {
                 // SAFETY: as for AllreduceInto (see `Dist::start_all_gather_into`).
@@ -596,7 +597,9 @@ impl Dist {
 
     /// Starts summing `send` over all ranks, keeping this rank's chunk (`chunk(send.len(),
     /// world, rank)`) in `dst`, overwritten or, with `add`, added to; returns at once, as
-    /// [`Dist::start_allreduce_into`] (whose `bf16` it shares).
+    /// [`Dist::start_allreduce_into`] (whose `bf16` it shares). `send` is freed as soon as the
+    /// sum is done (`wait` gives an empty buffer): under ZeRO the buckets of a whole backward
+    /// are in flight at once, and their send buffers together are the size of the gradient.
     ///
     /// # Safety
     /// As [`Dist::start_allreduce_into`].
@@ -616,7 +619,7 @@ impl Dist {
             } else {
                 dst.copy_from_slice(&send);
             }
-            return Ok(Pending::ready(what, send));
+            return Ok(Pending::ready(what, Vec::new()));
         }
         self.count_bytes(scatter_bytes(send.len(), if bf16 { 2 } else { 4 }, world));
         let dst = Destination::of(dst);

@@ -634,7 +634,13 @@ impl Embedding {
     }
 
     pub fn forward(&self, ids: &Tensor) -> Tensor {
-        Tensor::embedding(&self.weight, ids, self.padding_idx, false, self.sparse_grad)
+        let rows = Tensor::embedding(&self.weight, ids, self.padding_idx, false, self.sparse_grad);
+        // A frozen bf16 table (LoRA's `model.dtype = "bf16"`) still starts an fp32 residual
+        // stream, as an fp32 table does under autocast.
+        match rows.kind() {
+            Kind::BFloat16 => rows.to_kind(Kind::Float),
+            _ => rows,
+        }
     }
 }
 

@@ -18,6 +18,8 @@ pub struct ModelShape {
     /// Every parameter, and those that train (all of them, or LoRA's adapters).
     pub params: f64,
     pub trainable: f64,
+    /// Bytes of all the weights at their dtypes (LoRA's frozen base may be bf16).
+    pub weight_bytes: f64,
     /// Trainable parameters outside the layers (embeddings, heads): ZeRO stage 3 holds them
     /// through a step's passes.
     pub outside_layers: f64,
@@ -31,9 +33,11 @@ pub struct ModelShape {
 impl ModelShape {
     pub fn of(vs: &tch::nn::VarStore, model: &TaskModel) -> ModelShape {
         let (mut params, mut trainable, mut outside_layers) = (0.0, 0.0, 0.0);
+        let mut weight_bytes = 0.0;
         let c = &model.config;
         for (name, t) in vs.variables() {
             params += t.numel() as f64;
+            weight_bytes += (t.numel() * t.kind().elt_size_in_bytes()) as f64;
             if t.requires_grad() {
                 trainable += t.numel() as f64;
                 let stage = model.backward_stage(&name);
@@ -46,6 +50,7 @@ impl ModelShape {
         ModelShape {
             params,
             trainable,
+            weight_bytes,
             outside_layers,
             layers: c.num_layers as f64,
             hidden: c.hidden_size as f64,
@@ -146,11 +151,11 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
             // (one running, the next arriving); evaluation and saving, after a step, hold the
             // whole model but no activations, and the gradient's pages are free by then.
             let layer = (model.trainable - model.outside_layers) / model.layers.max(1.0);
-            let frozen = model.params - model.trainable;
-            let pass = frozen + model.trainable / ranks + model.outside_layers + 2.0 * layer;
-            (4.0 * pass).max(4.0 * model.params - activations - gradients)
+            let frozen = model.weight_bytes - 4.0 * model.trainable;
+            let pass = model.trainable / ranks + model.outside_layers + 2.0 * layer;
+            (frozen + 4.0 * pass).max(model.weight_bytes - activations - gradients)
         }
-        _ => 4.0 * model.params,
+        _ => model.weight_bytes,
     };
     Estimate {
         weights,
@@ -181,7 +186,10 @@ pub fn available_per_rank(limit_gb: f64, local_ranks: usize) -> Option<(f64, Str
         _ => (available, "MemAvailable"),
     };
     let held = crate::runtime::sysinfo::rss_bytes().unwrap_or(0.0);
-    Some((bytes / ranks + held, format!("{source}, and what the rank holds now")))
+    Some((
+        bytes / ranks + held,
+        format!("{source}, and what the rank holds now"),
+    ))
 }
 
 /// A `/proc/meminfo` line's value in bytes.
@@ -301,6 +309,7 @@ mod tests {
         ModelShape {
             params: 124.7e6,
             trainable: 124.7e6,
+            weight_bytes: 4.0 * 124.7e6,
             outside_layers: 24.6e6, // the tied embeddings, 32000 x 768
             layers: 12.0,
             hidden: 768.0,

@@ -8,7 +8,7 @@ use tch::Kind;
 
 use super::dataset::MpiShards;
 use crate::checkpoint;
-use crate::config::{Config, Precision};
+use crate::config::{Config, Precision, WeightDtype};
 use crate::data::batching::Feature;
 use crate::data::masking::Masking;
 use crate::dist::Dist;
@@ -120,6 +120,9 @@ pub fn build_model(
     if let Some(saved) = &adapter {
         lora::load_adapter(&loaded.vs, saved)?;
     }
+    if config.model.dtype == WeightDtype::Bf16 {
+        frozen_to_bf16(config, &loaded.vs)?;
+    }
     let c = &loaded.model.config;
     let usable = c.max_input_tokens();
     if config.model.max_seq_len > usable {
@@ -141,6 +144,22 @@ pub fn build_model(
         }
     }
     Ok(loaded)
+}
+
+/// `model.dtype = "bf16"`: the weights that do not train (LoRA's base) kept in bf16, each
+/// converted in place (every handle on it sees the new data); they compute in bf16, so bf16
+/// compute must be in force.
+fn frozen_to_bf16(config: &Config, vs: &tch::nn::VarStore) -> Result<()> {
+    if config.runtime.precision.resolve(&CpuInfo::detect()) != Precision::Bf16 {
+        bail!("model.dtype = \"bf16\" computes in bf16: set runtime.precision = \"bf16\" (\"auto\" resolved to fp32 on this CPU, which has no bf16 units)");
+    }
+    for (_, mut var) in vs.variables() {
+        if !var.requires_grad() && var.kind() == Kind::Float {
+            let half = var.to_kind(Kind::BFloat16);
+            var.set_data(&half);
+        }
+    }
+    Ok(())
 }
 
 /// The run's model with its `head` from `source`, and its tokenizer.json; `adapt` changes
