@@ -159,6 +159,8 @@ fn frozen_to_bf16(config: &Config, vs: &tch::nn::VarStore) -> Result<()> {
             var.set_data(&half);
         }
     }
+    // The fp32 copies, freed tensor by tensor, back to the system (tcmalloc keeps them).
+    crate::runtime::allocator::release_free_memory();
     Ok(())
 }
 
