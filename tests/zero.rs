@@ -180,9 +180,11 @@ fn stage_2_equals_stage_0_on_a_decoder_and_under_lora() {
         let wmax = max_weight_diff(&adapters(&out), &adapters(&lora0));
         eprintln!("LoRA, stage {stage}: losses {worst:e}, adapters {wmax:e}");
         assert!(worst <= 1e-5 && wmax <= 1e-5, "{l:?} vs {w:?}; {wmax:e}");
-        // Stage 3 gathers each layer's adapters twice (forward, backward) instead of once.
+        // Stage 3 gathers the first layer's adapters twice (forward, backward) and the last
+        // layer's once (kept from forward into backward), where stage 1 gathers each once: the
+        // 2 layers' adapters are the same size.
         let want = match stage {
-            3 => 3 * scatter_bytes(896, 4, 2) + totals,
+            3 => 5 * scatter_bytes(896, 4, 2) / 2 + totals,
             _ => 2 * scatter_bytes(896, 4, 2) + totals,
         };
         let sent = common::bytes_per_step(&out);

@@ -11,7 +11,7 @@
 //! buckets; each rank's chunk of a bucket is the one it updates (`dist::chunk`), so the
 //! parameters it keeps are exactly those its optimizer steps.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use anyhow::Result;
@@ -40,6 +40,8 @@ pub struct LayerShards {
     /// `stages[s]`.
     stages: Vec<Range<usize>>,
     held: RefCell<Vec<Weights>>,
+    /// The last layer's weights, used in forward, are kept for backward, which starts with it.
+    keep_last_layer: Cell<bool>,
     /// The first failed collective of a pass, reported when the pass is over (models, which
     /// ask for the weights, know nothing of MPI errors).
     error: RefCell<Option<anyhow::Error>>,
@@ -68,6 +70,7 @@ impl LayerShards {
             buckets,
             own,
             held: RefCell::new((0..count).map(|_| Weights::Whole).collect()),
+            keep_last_layer: Cell::new(false),
             stages,
             error: RefCell::new(None),
         }
@@ -129,7 +132,8 @@ impl LayerShards {
     }
 
     /// Before a step's first pass: the layers dropped (after the optimizer step, or an
-    /// evaluation that held the whole model), the embeddings and heads gathered.
+    /// evaluation that held the whole model), the embeddings and heads gathered, and the first
+    /// layer's gather started.
     pub fn begin_step(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
         let ends = self.ends();
         for s in 0..self.stages.len() {
@@ -140,7 +144,11 @@ impl LayerShards {
         for s in ends {
             self.hold(s, flat, dist)?;
         }
-        Ok(())
+        let first_layer = self.stages.len().saturating_sub(2);
+        match self.is_layer(first_layer) {
+            true => self.fetch(first_layer, flat, dist),
+            false => Ok(()),
+        }
     }
 
     /// After a step's last backward: nothing but this rank's chunks kept, for the optimizer
@@ -227,12 +235,14 @@ impl LayerParams for PassParams<'_> {
         if r.is_ok() && s.is_layer(next) {
             r = s.fetch(next, self.flat, self.dist);
         }
+        // The last layer in forward (the heads come next): backward starts with it.
+        s.keep_last_layer.set(stage == 1 && next == 0);
         self.keep_error(r);
     }
 
     fn done(&self, stage: usize) {
         let s = self.shards;
-        if s.is_layer(stage) {
+        if s.is_layer(stage) && !s.keep_last_layer.replace(false) {
             self.keep_error(s.release(stage, self.flat, self.dist));
         }
     }
