@@ -53,6 +53,9 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
     },
+    /// Estimate a rank's peak memory for a config at several process counts and ZeRO stages,
+    /// from config.json alone (nothing is loaded): the memory preflight's model.
+    Memory(sprtrain::commands::memory::MemoryArgs),
     /// Run a model over a JSON Lines file and write each example's logits as JSON Lines.
     Predict(PredictArgs),
     /// Validate a config: parse it, apply --set, resolve and load the model and tokenizer
@@ -238,6 +241,9 @@ fn run(cli: Cli) -> Result<()> {
                     .collect();
                 println!("{}", sprtrain::report::summary_table(&rows));
             }
+        }
+        Command::Memory(args) => {
+            print!("{}", sprtrain::commands::memory::run(&args)?);
         }
         Command::Check { config, overrides } => {
             check(&config, &overrides).with_context(|| format!("config {}", config.display()))?

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use sprtrain::config::Config;
-use sprtrain::models::{from_pretrained, Head};
+use sprtrain::config::{Config, LoraConfig};
+use sprtrain::models::{from_pretrained, read_config, Head};
 use sprtrain::train::memory::{estimate, ModelShape, RunShape};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sprtrain");
@@ -119,5 +119,88 @@ fn check_prints_the_estimate() {
         "# memory this machine has: ",
     ] {
         assert!(stdout.contains(want), "{want:?} not in {stdout}");
+    }
+}
+
+/// The head a parity fixture's directory name says it has (`bert-qa`, `llama-causal-lm`).
+fn head_of(name: &str) -> Head {
+    let heads = [
+        ("-causal-lm", Head::CausalLm),
+        ("-mlm", Head::MaskedLm),
+        ("-qa", Head::QuestionAnswering),
+        ("-token-cls", Head::TokenClassification),
+        ("-seq-cls", Head::SequenceClassification),
+    ];
+    heads
+        .iter()
+        .find(|(part, _)| name.contains(part))
+        .map_or(Head::Base, |(_, head)| *head)
+}
+
+/// The preflight counts an uninitialised build of config.json (so that it runs before a model
+/// of any size is built): every family's and head's shape from it equals the loaded model's,
+/// with and without LoRA adapters.
+#[test]
+fn the_shape_from_config_json_is_the_loaded_models() {
+    let base = Config::from_toml_str("", &[]).unwrap();
+    let mut checked = 0;
+    for entry in std::fs::read_dir(common::fixtures().join("parity")).unwrap() {
+        let dir = entry.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let head = head_of(&name);
+        for r in [0, 4] {
+            let lora = LoraConfig {
+                r,
+                ..LoraConfig::default()
+            };
+            let hf = read_config(&dir, |c| {
+                c.lora = lora.spec(c.arch);
+                Ok(())
+            })
+            .unwrap();
+            let planned = ModelShape::planned(&base, hf, head).unwrap();
+            let loaded = from_pretrained(
+                &dir,
+                head,
+                |c| {
+                    c.lora = lora.spec(c.arch);
+                    Ok(())
+                },
+                0,
+            )
+            .unwrap();
+            let built = ModelShape::of(&loaded.vs, &loaded.model);
+            assert_eq!(planned, built, "{name} with LoRA r={r}");
+            assert!(built.params > 0.0 && (r == 0) == (built.trainable == built.params));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 100, "only {checked} fixtures");
+}
+
+/// `sprtrain memory` estimates from config.json alone: Llama-3-70B's shapes (which no machine
+/// here could build) give its published parameter count, 70.55B (8.03B for Llama-3-8B), and
+/// one row per process count and stage, one process at stage 0 only.
+#[test]
+fn memory_estimates_a_model_too_large_to_build() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (model, params) in [("llama-70b", "7.055e10"), ("llama-8b", "8.030e9")] {
+        let out = Command::new(BIN)
+            .current_dir(repo)
+            .args(["memory", "--config", "configs/llama-1b-zero3.toml", "--set"])
+            .arg(format!("model.name_or_path=configs/models/{model}"))
+            .args(["--processes", "1,64", "--stages", "0,3"])
+            .output()
+            .unwrap();
+        let stdout = common::ok(out);
+        assert!(
+            stdout.contains(&format!("{params} parameters, {params} trainable")),
+            "{stdout}"
+        );
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("| 1")).collect();
+        assert_eq!(rows.len(), 1, "{stdout}");
+        assert!(rows[0].starts_with("| 1 | 0 | yes |"), "{stdout}");
+        let stage3 = stdout.lines().find(|l| l.starts_with("| 64 | 3 | yes |"));
+        assert!(stage3.is_some(), "{stdout}");
     }
 }

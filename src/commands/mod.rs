@@ -3,5 +3,6 @@
 
 pub mod env;
 pub mod generate;
+pub mod memory;
 pub mod merge;
 pub mod predict;

@@ -15,6 +15,18 @@ thread_local! {
     /// The dropout stream: (seed, masks drawn since it was seeded). Each dropout draws its
     /// mask from its own seed, derived from these two.
     static DROPOUT_STREAM: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    /// Weights left uninitialised ([`skeleton`]): their pages are never touched, so a model's
+    /// shapes cost no memory or time, whatever its size.
+    static SKELETON: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `build` with [`normal_var`] leaving its weights uninitialised: a model whose shapes,
+/// names and dtypes are real and whose values are garbage, for the memory preflight.
+pub fn skeleton<T>(build: impl FnOnce() -> T) -> T {
+    let before = SKELETON.with(|s| s.replace(true));
+    let built = build();
+    SKELETON.with(|s| s.set(before));
+    built
 }
 
 /// Restarts this thread's dropout stream: the masks that follow depend only on `seed` and on
@@ -310,6 +322,9 @@ fn linear_of_parts(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Tenso
 /// parameters are created in.
 pub fn normal_var(p: &nn::Path, name: &str, dims: &[i64], std: f64) -> Tensor {
     let t = p.add(name, Tensor::empty(dims, (Kind::Float, p.device())), true);
+    if SKELETON.with(|s| s.get()) {
+        return t;
+    }
     let key = Tensor::randint(i64::MAX, [1], (Kind::Int64, tch::Device::Cpu)).int64_value(&[0]);
     super::init::fill_normal(&t, key as u64, std as f32);
     t

@@ -1123,6 +1123,12 @@ fn build(config: HfConfig, head: Head, seed: i64) -> Result<(nn::VarStore, TaskM
     Ok((vs, model))
 }
 
+/// The `head` model's variables for `config` with their weights uninitialised (no memory
+/// touched, whatever the model's size): what the memory preflight counts.
+pub fn skeleton(config: HfConfig, head: Head) -> Result<(nn::VarStore, TaskModel)> {
+    layers::skeleton(|| build(config, head, 0))
+}
+
 /// Builds the `head` model from `dir` (config.json + safetensors), like transformers'
 /// `AutoModelFor*.from_pretrained`. `adapt` may change the config first (labels of a new
 /// head, problem type). New heads are initialised from `seed`.

@@ -86,11 +86,6 @@ pub fn peak_rss_mib() -> Option<f64> {
     status_kib("VmHWM:").map(|kib| kib / 1024.0)
 }
 
-/// This process's resident memory now, in bytes.
-pub fn rss_bytes() -> Option<f64> {
-    status_kib("VmRSS:").map(|kib| kib * 1024.0)
-}
-
 /// A `/proc/self/status` line's value in KiB.
 fn status_kib(key: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

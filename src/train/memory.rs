@@ -1,14 +1,14 @@
 //! The memory preflight: what a rank of this run will hold at its peak, against the memory its
-//! node has for it, checked before the first step allocates the gradient and optimizer state,
-//! so a run that cannot fit stops at once with settings that would, instead of being killed by
-//! the kernel mid-step. The bytes per parameter are exact (docs/memory.md); the activations are
+//! node has for it, checked from config.json before the model is built or loaded (the shapes
+//! come from an uninitialised build), so a run that cannot fit stops at once with settings that
+//! would, instead of being killed by the kernel mid-step or after minutes of loading. The bytes per parameter are exact (docs/memory.md); the activations are
 //! an estimate, calibrated on Llama-125M at seq 1024 (measured 66 KB a token a layer in fp32,
 //! against 63.5 KB from the formula below).
 
 use anyhow::{bail, Result};
 
-use crate::config::Config;
-use crate::models::{Head, TaskModel};
+use crate::config::{Config, WeightDtype};
+use crate::models::{Head, HfConfig, TaskModel};
 
 const GB: f64 = 1e9;
 
@@ -61,6 +61,19 @@ impl ModelShape {
                 0.0
             },
         }
+    }
+}
+
+impl ModelShape {
+    /// The shape of the `head` model `hf` describes, from an uninitialised build (instant at
+    /// any size), its frozen weights at `model.dtype` (as the load will convert them).
+    pub fn planned(config: &Config, hf: HfConfig, head: Head) -> Result<ModelShape> {
+        let (vs, model) = crate::models::skeleton(hf, head)?;
+        let mut shape = ModelShape::of(&vs, &model);
+        if config.model.dtype == WeightDtype::Bf16 {
+            shape.weight_bytes -= 2.0 * (shape.params - shape.trainable);
+        }
+        Ok(shape)
     }
 }
 
@@ -172,8 +185,8 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
 }
 
 /// Memory this node has for each of its `local_ranks`: `runtime.memory_limit_gb` where set,
-/// else MemAvailable (or a smaller cgroup limit), shared equally, plus what this process holds
-/// already (the estimate counts the model it has built); with where it came from.
+/// else MemAvailable (or a smaller cgroup limit), shared equally; with where it came from.
+/// Read before any rank builds its model, so the ranks of a node see about the same.
 pub fn available_per_rank(limit_gb: f64, local_ranks: usize) -> Option<(f64, String)> {
     let ranks = local_ranks.max(1) as f64;
     if limit_gb > 0.0 {
@@ -185,11 +198,7 @@ pub fn available_per_rank(limit_gb: f64, local_ranks: usize) -> Option<(f64, Str
         Some(room) if room < available => (room, "its memory cgroup's limit"),
         _ => (available, "MemAvailable"),
     };
-    let held = crate::runtime::sysinfo::rss_bytes().unwrap_or(0.0);
-    Some((
-        bytes / ranks + held,
-        format!("{source}, and what the rank holds now"),
-    ))
+    Some((bytes / ranks, source.into()))
 }
 
 /// A `/proc/meminfo` line's value in bytes.
@@ -231,6 +240,22 @@ fn cgroup_room() -> Option<f64> {
         }
     }
     None
+}
+
+/// The preflight of a training run of the `head` model `hf` over `world` processes,
+/// `local_ranks` of them on this node: [`check`] on its planned shape.
+pub fn preflight(
+    config: &Config,
+    hf: &HfConfig,
+    head: Head,
+    world: usize,
+    local_ranks: usize,
+) -> Result<()> {
+    if !config.runtime.memory_preflight {
+        return Ok(());
+    }
+    let shape = ModelShape::planned(config, hf.clone(), head)?;
+    check(config, &shape, &RunShape::of(config, world), local_ranks)
 }
 
 /// Refuses a run whose estimate exceeds what each rank has, naming the settings that would fit.

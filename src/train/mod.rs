@@ -847,20 +847,13 @@ impl<'a> Trainer<'a> {
     }
 }
 /// The flat parameter buffer, agreed on by every rank and holding rank 0's weights, with its
-/// optimizer and gradient buckets; first the memory preflight, before the gradient and
-/// optimizer state exist, so a run that cannot fit stops here.
+/// optimizer and gradient buckets (the memory preflight ran before the model was built).
 fn training_state(
     config: &Config,
     dist: &Dist,
     p: &mut setup::Prepared,
     total_steps: usize,
 ) -> Result<(Optimizer, GradSync)> {
-    memory::check(
-        config,
-        &memory::ModelShape::of(&p.vs, &p.model),
-        &memory::RunShape::of(config, dist.topo.world),
-        dist.topo.local_size,
-    )?;
     let flat = FlatParams::new(&p.vs, |name| p.model.backward_stage(name));
     // The parameters' first home, freed as they moved into the flat buffer.
     crate::runtime::allocator::release_free_memory();

@@ -202,6 +202,10 @@ pub fn prepare(
     let root = dist.is_root();
     let head = config.model.task.head();
     let plan = plan_model(config, source, |c| data.adapt(c))?;
+    if !eval_only {
+        let topo = &dist.topo;
+        super::memory::preflight(config, &plan.hf, head, topo.world, topo.local_size)?;
+    }
     let tokenizer_json = plan.tokenizer_json.clone();
     let options = TokenizeOptions {
         tokenizer_json: &tokenizer_json,
