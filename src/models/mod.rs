@@ -281,7 +281,8 @@ pub struct ModelOutput {
     /// classification heads that read no other (`TaskModel::positions_read`).
     pub hidden: Tensor,
     /// Sequence classification (B, L); token classification (B, T, L); question answering
-    /// (B, T, 2); masked and causal LM (B, T, V); the hidden state for the bare encoder.
+    /// (B, T, 2); masked and causal LM (B, T, V), undefined for a causal LM in training with
+    /// `TaskModel::chunked_lm_loss`; the hidden state for the bare encoder.
     pub logits: Tensor,
 }
 
@@ -416,6 +417,9 @@ pub struct TaskModel {
     pub head: Head,
     backbone: Backbone,
     head_layers: HeadLayers,
+    /// A causal LM's training forward leaves its logits to [`TaskModel::loss`], which makes
+    /// them a chunk of rows at a time (`layers::lm_cross_entropy`): the trainer's choice.
+    pub chunked_lm_loss: bool,
 }
 
 impl TaskModel {
@@ -431,6 +435,7 @@ impl TaskModel {
             head,
             backbone,
             head_layers,
+            chunked_lm_loss: false,
         })
     }
 
@@ -609,6 +614,8 @@ impl TaskModel {
                     .unwrap_or_else(|| self.backbone.word_embeddings());
                 layers::linear(&x, decoder, Some(&m.bias)) // (B, T, V)
             }
+            // Left to the loss, which makes them a chunk at a time: undefined.
+            HeadLayers::CausalLm { .. } if train && self.chunked_lm_loss => Tensor::new(),
             HeadLayers::CausalLm { untied } => {
                 let weight = untied
                     .as_ref()
@@ -673,6 +680,18 @@ impl TaskModel {
 
     /// The loss transformers computes for this head and these labels (mean over the batch).
     pub fn loss(&self, out: &ModelOutput, labels: &Labels) -> Result<Tensor> {
+        if let (false, HeadLayers::CausalLm { untied }, Labels::Tokens(y)) =
+            (out.logits.defined(), &self.head_layers, labels)
+        {
+            // Logits left undefined by `chunked_lm_loss`: position t predicts token t + 1.
+            let (_, t, c) = out.hidden.size3()?;
+            let hidden = out.hidden.narrow(1, 0, t - 1).reshape([-1, c]); // (B (T-1), C)
+            let targets = y.narrow(1, 1, t - 1).reshape([-1]);
+            let weight = untied
+                .as_ref()
+                .unwrap_or_else(|| self.backbone.word_embeddings());
+            return Ok(layers::lm_cross_entropy(&hidden, weight, &targets));
+        }
         let problem = self.config.resolved_problem_type();
         // Losses run in fp32 whatever the compute dtype, as under autocast.
         let out = &ModelOutput {

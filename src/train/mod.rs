@@ -238,6 +238,9 @@ impl<'a> Trainer<'a> {
             random,
         };
         let mut p = prepare(config, dist, data, source, false)?;
+        // Checkpointing trades compute for memory: so does a causal LM loss made a chunk of
+        // logits at a time (their (B, T, V) tensors are most of what checkpointing leaves).
+        p.model.chunked_lm_loss = config.train.gradient_checkpointing;
         let (plan, steps_per_epoch, total_steps) =
             batch_plan(config, dist.topo.world, p.train.len())?;
         let (mut opt, sync) = training_state(config, dist, &mut p, total_steps)?;
