@@ -303,7 +303,7 @@ mod kernels {
 }
 
 /// The largest (rows, V) fp32 block of logits [`lm_cross_entropy`] makes at once: 32 MB.
-const LM_LOSS_CHUNK_BYTES: i64 = 32 << 20;
+pub const LM_LOSS_CHUNK_BYTES: i64 = 32 << 20;
 
 /// Mean cross-entropy of the LM head `weight` (V, C) over `hidden` (N, C) against `targets`
 /// (N; -100 not counted, as PyTorch's `ignore_index`), equal to `cross_entropy(hidden @
