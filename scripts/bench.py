@@ -26,6 +26,15 @@ Rows (issue 6):
      into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
      tokens/s and MFU in fp32, bf16 where the CPU has bf16 units, LoRA r=16 on q/v (PEFT on the
      reference side) with peak memory against full fine-tuning
+  z  what does not fit one rank (docs/memory.md): the ZeRO stages 0-3 of row l's model on 2
+     ranks, one thread each, fp32, against PyTorch's own counterparts over gloo (DDP,
+     ZeroRedundancyOptimizer, FSDP2 without and with resharding after forward:
+     scripts/zero_reference.py), tokens/s and the largest rank's peak RSS; each stage's
+     tokens/s against stage 0's; the per-rank bytes of weights, gradients and optimizer state
+     at 4 ranks, stage k against stage 0, as `sprtrain memory` models them for the 1.1B model;
+     and the 1.1B model (configs/models/llama-1.1b) fully fine-tuned in one process, bf16 where
+     the CPU has bf16 units, with activation checkpointing, against Trainer with
+     gradient_checkpointing=True (one pair: about 6 minutes)
 Rows g, h and l, like row a, report the medians of `--repeats` alternating pairs of runs.
 
 Each training run takes `steps` optimizer steps; the first `warmup` are not measured. A step's
@@ -52,6 +61,7 @@ CLS_CONFIG = ROOT / "configs/bench/minilm-sst2.toml"
 MINILM_DIR = ROOT / ".venv/minilm"
 LM_CONFIG = ROOT / "configs/bench/llama-125m-clm.toml"
 LM_MODEL_DIR = ROOT / "configs/models/llama-125m"
+BIG_LM_DIR = ROOT / "configs/models/llama-1.1b"
 MODEL_DIR = ROOT / "configs/models/distilbert-base-uncased"
 PYTHON = sys.executable
 
@@ -160,6 +170,69 @@ def reference_lm_run(name, out_dir: Path, args):
     result = json.loads(out.read_text())
     result.update({"launch_unix": t0, "wall_s": wall, "ru_maxrss_mib": rss})
     return result
+
+
+def zero_reference_run(name, out_dir: Path, stage: int, steps: int):
+    """PyTorch's counterpart of ZeRO stage `stage` on row l's job, 2 ranks of one thread
+    (scripts/zero_reference.py under torchrun): its step records and the largest rank's peak."""
+    cmd = [str(Path(PYTHON).parent / "torchrun"), "--nproc-per-node", "2", str(ROOT / "scripts/zero_reference.py"),
+           "--stage", str(stage), "--steps", str(steps), "--config", str(LM_CONFIG)]
+    log(f"reference {name}: stage {stage} (2 processes)")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        t0, wall, rss = launch(cmd, out_dir / f"{name}.log")
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+    records = [json.loads(l) for l in (out_dir / f"{name}.log").read_text().splitlines() if l.startswith('{"step"')]
+    peaks = [json.loads(l)["peak_rss_mib"] for l in (out_dir / f"{name}.log").read_text().splitlines()
+             if l.startswith('{"rank"')]
+    return {"wall_s": wall, "ru_maxrss_mib": rss, "rank_peak_mib": max(peaks),
+            "tokens_per_s": [r["tokens_per_s"] for r in records], "losses": [r["loss"] for r in records]}
+
+
+def modelled_state_ratios(config: Path, sets) -> dict:
+    """`sprtrain memory` at 4 processes, stages 0-3: each stage's weights + gradients +
+    optimizer state a rank, over stage 0's."""
+    cmd = [str(SPRTRAIN), "memory", "--config", str(config), "--processes", "4", "--stages", "0,1,2,3"]
+    for s in sets:
+        cmd += ["--set", s]
+    table = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    state = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == "4":
+            state[int(cells[1])] = sum(float(c) for c in cells[3:6])
+    return {stage: state[stage] / state[0] for stage in state}
+
+
+def zero_row(args, out_dir: Path, steps: int, warmup: int, bf16: bool) -> dict:
+    """Row z: the ZeRO stages against PyTorch's, the modelled state per rank, and the 1.1B
+    model with checkpointing against Trainer."""
+    text = ROOT.parent / "shared/data/tinyshakespeare/input.txt"
+    z = {"stages": {}}
+    for stage in range(4):
+        ours = sprtrain_run(f"z-sprtrain-stage{stage}", out_dir, [f"data.train_file={text}", "runtime.threads=1",
+                            "runtime.precision=fp32", f"dist.zero_stage={stage}"], steps, 1, procs=2, config=LM_CONFIG)
+        ref = zero_reference_run(f"z-reference-stage{stage}", out_dir, stage, steps)
+        # Both sides' tokens are both ranks' 512-token blocks; a step's time is its wall time.
+        ours_tps = 2 * 512 / mean_step_s(ours, warmup)
+        ref_tps = median(ref["tokens_per_s"][warmup:])
+        z["stages"][stage] = {"sprtrain_tokens_per_s": ours_tps, "reference_tokens_per_s": ref_tps,
+                              "ratio": ours_tps / ref_tps, "sprtrain_mib": ours["ru_maxrss_mib"],
+                              "reference_mib": ref["rank_peak_mib"]}
+    z["state_at_4_ranks"] = modelled_state_ratios(LM_CONFIG, [f"model.name_or_path={BIG_LM_DIR}", "train.gradient_checkpointing=true"])
+    precision = "bf16" if bf16 else "fp32"
+    big_steps, big_warmup = (3, 1) if args.quick else (5, 2)
+    ours = sprtrain_run("z-sprtrain-1b", out_dir, [f"data.train_file={text}", "runtime.threads=2",
+                        f"runtime.precision={precision}", f"model.name_or_path={BIG_LM_DIR}",
+                        "train.gradient_checkpointing=true"], big_steps, 1, config=LM_CONFIG)
+    ref = reference_lm_run("z-reference-1b", out_dir, ["--model-dir", str(BIG_LM_DIR), "--train-file", str(text),
+                           "--steps", str(big_steps), "--threads", "2", "--precision", precision, "--gradient-checkpointing"])
+    so, sr = mean_step_s(ours, big_warmup), mean_step_s(ref, big_warmup)
+    z["1b"] = {"precision": precision, "sprtrain_tokens_per_s": 512 / so, "reference_tokens_per_s": 512 / sr,
+               "ratio": sr / so, "sprtrain_mib": ours["ru_maxrss_mib"], "reference_mib": ref["ru_maxrss_mib"],
+               "sprtrain_losses": ours["losses"], "reference_losses": ref["losses"], "steps": big_steps, "warmup": big_warmup}
+    return z
 
 
 def reference_cls_run(name, out_dir: Path, args):
@@ -384,7 +457,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
     ap.add_argument("--repeats", type=int, default=3, help="alternating pairs of runs in rows a, g, h and l (medians reported)")
-    ap.add_argument("--rows", default="abcdefghjl", help="which rows to run (a-d come from one pair of runs)")
+    ap.add_argument("--rows", default="abcdefghjlz", help="which rows to run (a-d come from one pair of runs)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
@@ -523,6 +596,9 @@ def main() -> int:
             lm[tag] = median_of_pairs(pairs)
         rows["l"] = lm
 
+    if "z" in args.rows:
+        rows["z"] = zero_row(args, args.out, steps, warmup, bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"])))
+
     report["bench_wall_s"] = time.time() - started
     table = markdown(report)
     (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -607,7 +683,29 @@ def markdown(rep) -> str:
         lines.append(f"| l | tokens/s LoRA r=16 on q/v, fp32 | {lo['sprtrain_tokens_per_s']:.0f} | {lo['reference_tokens_per_s']:.0f} | {lo['ratio']:.2f}x | | |")
         mem = lo["sprtrain_mib"] / f32["sprtrain_mib"]
         lines.append(f"| l | peak resident memory, LoRA / full fine-tuning (MiB) | {mem:.2f} ({lo['sprtrain_mib']:.0f} / {f32['sprtrain_mib']:.0f}) | {lo['reference_mib'] / f32['reference_mib']:.2f} ({lo['reference_mib']:.0f} / {f32['reference_mib']:.0f}) | | <= 0.5x | {yes(mem <= 0.5)} |")
+    if "z" in rows:
+        lines += zero_lines(rows["z"], yes)
     return "\n".join(lines) + "\n"
+
+
+def zero_lines(z, yes) -> list:
+    """Row z's lines of the table."""
+    lines = []
+    names = {0: "DDP", 1: "ZeroRedundancyOptimizer", 2: "FSDP2, no reshard after forward", 3: "FSDP2 FULL_SHARD"}
+    stages = {int(k): v for k, v in z["stages"].items()}
+    for stage, r in sorted(stages.items()):
+        less = r["sprtrain_mib"] < r["reference_mib"]
+        lines.append(f"| z | tokens/s, Llama-125M, 2 ranks x 1 thread, fp32, ZeRO stage {stage} against PyTorch's {names[stage]} (peak RSS of the largest rank: {r['sprtrain_mib']:.0f} and {r['reference_mib']:.0f} MiB{'' if less else ', **not less**'}) | {r['sprtrain_tokens_per_s']:.0f} | {r['reference_tokens_per_s']:.0f} | {r['ratio']:.2f}x | >= 1.2x, less memory | {yes(r['ratio'] >= 1.2 and less)} |")
+    base = stages[0]["sprtrain_tokens_per_s"]
+    for stage, floor in [(1, 0.95), (2, 0.95), (3, 0.85)]:
+        share = stages[stage]["sprtrain_tokens_per_s"] / base
+        lines.append(f"| z | sprtrain tokens/s, stage {stage} against stage 0 (one run each) | {stages[stage]['sprtrain_tokens_per_s']:.0f} | {base:.0f} | {share:.2f}x | >= {floor}x | {yes(share >= floor)} |")
+    state = {int(k): v for k, v in z["state_at_4_ranks"].items()}
+    for stage, cap in [(1, 0.65), (2, 0.5), (3, 0.3)]:
+        lines.append(f"| z | weights + gradients + optimizer state a rank, 1.1B model, 4 ranks, stage {stage} against stage 0 (modelled: `sprtrain memory`) | {state[stage]:.2f}x | | | <= {cap}x | {yes(state[stage] <= cap)} |")
+    b = z["1b"]
+    lines.append(f"| z | tokens/s, 1.1B Llama full fine-tuning, one process, {b['precision']}, activation checkpointing, seq 512, 2 threads, against Trainer(gradient_checkpointing=True) ({b['steps']} steps, the first {b['warmup']} not measured; peak RSS {b['sprtrain_mib']:.0f} and {b['reference_mib']:.0f} MiB) | {b['sprtrain_tokens_per_s']:.1f} | {b['reference_tokens_per_s']:.1f} | {b['ratio']:.2f}x | >= 1.3x | {yes(b['ratio'] >= 1.3)} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """The reference side of the benchmark's causal-LM rows: transformers' Trainer fine-tuning a
 causal language model as run_clm.py sets it up (the model from config.json, random init; text
 lines tokenized, concatenated and grouped into blocks of --block-size; labels = inputs), fully
-or with PEFT LoRA (r, alpha, q_proj and v_proj). Records, for scripts/bench.py: when the first
+or with PEFT LoRA (r, alpha, q_proj and v_proj), with or without gradient checkpointing. Records, for scripts/bench.py: when the first
 step begins, the time between optimizer steps, the tokens of each step, the losses and the
 peak resident memory.
 """
@@ -28,6 +28,9 @@ def main() -> int:
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--lora-r", type=int, default=0, help="0 = full fine-tuning")
     ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="each layer recomputed in backward: TrainingArguments(gradient_checkpointing=True), "
+                         "named activation_checkpointing since transformers 5")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -55,7 +58,8 @@ def main() -> int:
 
     clock = step_clock()
     scratch = tempfile.mkdtemp(prefix="bench-trainer-")
-    training_args = bench_training_args(scratch, args, learning_rate=5e-5)
+    training_args = bench_training_args(scratch, args, learning_rate=5e-5,
+                                        activation_checkpointing=args.gradient_checkpointing)
     Trainer(model=model, args=training_args, train_dataset=features, data_collator=default_data_collator,
             callbacks=[clock]).train()
     shutil.rmtree(scratch, ignore_errors=True)
