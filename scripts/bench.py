@@ -212,7 +212,7 @@ def zero_row(args, out_dir: Path, steps: int, warmup: int, bf16: bool) -> dict:
     z = {"stages": {}}
     for stage in range(4):
         ours = sprtrain_run(f"z-sprtrain-stage{stage}", out_dir, [f"data.train_file={text}", "runtime.threads=1",
-                            "runtime.precision=fp32", f"dist.zero_stage={stage}"], steps, 1, procs=2, config=LM_CONFIG)
+                            "runtime.precision=fp32", f"dist.zero_stage={stage}"], steps, 2, procs=2, config=LM_CONFIG)
         ref = zero_reference_run(f"z-reference-stage{stage}", out_dir, stage, steps)
         # Both sides' tokens are both ranks' 512-token blocks; a step's time is its wall time.
         ours_tps = 2 * 512 / mean_step_s(ours, warmup)

@@ -66,7 +66,7 @@ fn kept_share(log: &str) -> f64 {
 }
 
 /// The tiny BERT classifier, 20 steps with 2-fold accumulation, at 2 and 4 ranks: stages 1
-/// to 3 equal stage 0 (with many small buckets, so each rank's shard is spread over the
+/// to 3 equal stage 0, the final evaluation's loss too (with many small buckets, so each rank's shard is spread over the
 /// whole model), and rank 0 keeps state for 1/N of the parameters. Stage 3 drops the weights
 /// other ranks own after each use (they read as zeros until gathered again), so a layer run
 /// without its gathered weights would show in the losses.
@@ -84,6 +84,8 @@ fn stages_1_to_3_equal_stage_0_on_an_encoder() {
             let mut sets = vec![
                 format!("dist.zero_stage={stage}"),
                 "dist.bucket_mb=0.01".to_string(),
+                // 41 evaluation rows in batches of 5: 4 and 5 batches on 2 ranks, 2 and 3 on 4.
+                "eval.batch_size=5".to_string(),
             ];
             sets.extend(extra.iter().map(|s| s.to_string()));
             (train(&mpirun, ranks, &config, &sets), out)
@@ -92,6 +94,15 @@ fn stages_1_to_3_equal_stage_0_on_an_encoder() {
         for stage in [1, 2, 3] {
             let (log, out) = run(stage, &[]);
             assert_same_run(&format!("{ranks} ranks, stage {stage}"), &out, &base);
+            // The final evaluation (stage 3 gathers each layer as it runs, and a rank with a
+            // batch fewer joins the others' gathers) gives the same metrics.
+            let (got, want) = (common::eval_results(&out), common::eval_results(&base));
+            let (g, w) = (got["eval_loss"].as_f64(), want["eval_loss"].as_f64());
+            let rel = (g.unwrap() - w.unwrap()).abs() / w.unwrap().abs();
+            assert!(
+                rel <= 1e-5,
+                "{ranks} ranks, stage {stage}: eval {got} vs {want}"
+            );
             let share = kept_share(&log);
             eprintln!("{ranks} ranks, stage {stage}: rank 0 keeps {share:.4} of the state");
             // Each bucket's chunk is within one element of 1/N of it.
@@ -217,22 +228,32 @@ fn a_checkpoint_resumes_at_another_stage_and_world_size() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let data = mpi_data(tmp.path());
-    // (saved by: ranks, accumulation, stage) -> (resumed by: ranks, accumulation, stage)
-    for ((r1, a1, s1), (r2, a2, s2)) in [
-        ((2, 1, 2), (1, 2, 0)),
-        ((1, 2, 0), (2, 1, 1)),
-        ((2, 1, 3), (1, 2, 0)),
+    // (saved by: ranks, accumulation, stage) -> (resumed by: ranks, accumulation, stage), and
+    // the largest weight file saved (the tiny model's 87 KB in 30 KB shards: stage 3 streams
+    // them as its buckets are gathered).
+    for ((r1, a1, s1), (r2, a2, s2), shard) in [
+        ((2, 1, 2), (1, 2, 0), "5GB"),
+        ((1, 2, 0), (2, 1, 1), "5GB"),
+        ((2, 1, 3), (1, 2, 0), "5GB"),
+        ((2, 1, 3), (1, 2, 0), "30KB"),
     ] {
-        let name = format!("{r1}x{a1}-stage{s1}-then-{r2}x{a2}-stage{s2}");
+        let name = format!("{r1}x{a1}-stage{s1}-then-{r2}x{a2}-stage{s2}-{shard}");
         let (full_cfg, full) = mpi_config(tmp.path(), &data, &format!("{name}-full"), 4, a1, 8);
         let sets = |stage: u8| {
             vec![
                 "train.save_steps=4".to_string(),
                 format!("dist.zero_stage={stage}"),
                 "dist.bucket_mb=0.01".to_string(),
+                format!("train.save_max_shard_size={shard}"),
             ]
         };
         train(&mpirun, r1, &full_cfg, &sets(s1));
+        for dir in [full.clone(), full.join("checkpoint-4")] {
+            let files = common::weight_files(&dir);
+            let sharded = files.len() > 1;
+            assert_eq!(sharded, shard == "30KB", "{name}: {files:?}");
+            assert!(files.iter().all(|f| f.is_file()), "{name}: {files:?}");
+        }
         let saved = sprtrain::models::weights::read_safetensors(
             &full.join("checkpoint-4").join("optimizer.safetensors"),
         )

@@ -176,6 +176,9 @@ pub struct ModelFiles<'a> {
     pub base_model: &'a str,
     /// Weights above this many bytes are saved in shards (`train.save_max_shard_size`).
     pub max_shard_bytes: u64,
+    /// Weight files written already, in this directory, to move in instead of writing them
+    /// from `vs` (ZeRO stage 3 streams them: [`streamed::StreamedModel`]).
+    pub written: Option<(&'a Path, &'a [String])>,
 }
 
 /// The size above which transformers' `save_pretrained` shards weights by default ("5GB").
@@ -198,44 +201,69 @@ pub fn write_full_model(
 }
 
 /// fp32 weights as `save_pretrained` lays them out: one model.safetensors up to
-/// `max_shard_bytes`, else `model-0000K-of-0000N.safetensors` shards (tensors in name order,
-/// a new shard where the next tensor would overflow; a larger tensor alone) named by
-/// model.safetensors.index.json, written last. Weight files of the other layout left in `dir`
-/// by an earlier save are removed after, so a loader never finds both.
+/// `max_shard_bytes`, else `model-0000K-of-0000N.safetensors` shards ([`shard_ranges`], tensors
+/// in name order) named by model.safetensors.index.json, written last. Weight files of the
+/// other layout left in `dir` by an earlier save are removed after, so a loader never finds
+/// both.
 fn write_weights(dir: &Path, named: &[(String, Tensor)], max_shard_bytes: u64) -> Result<()> {
-    let bytes = |t: &Tensor| t.numel() as u64 * 4;
-    let mut shards: Vec<&[(String, Tensor)]> = Vec::new();
-    let (mut start, mut size) = (0, 0u64);
-    for (i, (_, t)) in named.iter().enumerate() {
-        if i > start && size + bytes(t) > max_shard_bytes {
-            shards.push(&named[start..i]);
-            (start, size) = (i, 0);
-        }
-        size += bytes(t);
-    }
-    shards.push(&named[start..]);
+    let bytes: Vec<u64> = named.iter().map(|(_, t)| t.numel() as u64 * 4).collect();
+    let shards = shard_ranges(&bytes, max_shard_bytes);
     let mut kept = Vec::new();
-    if shards.len() == 1 {
-        write_safetensors(&dir.join(SINGLE_FILE), named)?;
-        kept.push(SINGLE_FILE.to_string());
-    } else {
-        let n = shards.len();
-        let mut weight_map = serde_json::Map::new();
-        for (k, shard) in shards.iter().enumerate() {
-            let file = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
-            write_safetensors(&dir.join(&file), shard)?;
-            for (name, _) in shard.iter() {
-                weight_map.insert(name.clone(), file.clone().into());
-            }
-            kept.push(file);
-        }
-        let total: u64 = named.iter().map(|(_, t)| bytes(t)).sum();
-        let index =
-            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    for (k, range) in shards.iter().enumerate() {
+        let file = weights_file_name(k, shards.len());
+        write_safetensors(&dir.join(&file), &named[range.clone()])?;
+        kept.push(file);
+    }
+    if let Some(index) = weights_index(named.iter().map(|(n, _)| n), &bytes, &shards) {
         write_json(&dir.join(INDEX_FILE), &index)?;
         kept.push(INDEX_FILE.to_string());
     }
     remove_stale_weights(dir, &kept)
+}
+
+/// How `save_pretrained` cuts tensors of these `bytes` (in order) into shards of at most
+/// `max_shard_bytes`: a new shard where the next tensor would overflow, a larger tensor alone.
+pub fn shard_ranges(bytes: &[u64], max_shard_bytes: u64) -> Vec<std::ops::Range<usize>> {
+    let mut shards = Vec::new();
+    let (mut start, mut size) = (0, 0u64);
+    for (i, &b) in bytes.iter().enumerate() {
+        if i > start && size + b > max_shard_bytes {
+            shards.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += b;
+    }
+    shards.push(start..bytes.len());
+    shards
+}
+
+/// Shard `k` of `n`'s file name: model.safetensors alone, else model-0000K-of-0000N.safetensors.
+pub fn weights_file_name(k: usize, n: usize) -> String {
+    match n {
+        1 => SINGLE_FILE.to_string(),
+        _ => format!("model-{:05}-of-{n:05}.safetensors", k + 1),
+    }
+}
+
+/// model.safetensors.index.json for tensors `names` of `bytes` cut into `shards`; None for one
+/// file.
+pub fn weights_index<'a>(
+    names: impl Iterator<Item = &'a String>,
+    bytes: &[u64],
+    shards: &[std::ops::Range<usize>],
+) -> Option<serde_json::Value> {
+    if shards.len() < 2 {
+        return None;
+    }
+    let names: Vec<&String> = names.collect();
+    let mut weight_map = serde_json::Map::new();
+    for (k, range) in shards.iter().enumerate() {
+        for name in &names[range.clone()] {
+            weight_map.insert((*name).clone(), weights_file_name(k, shards.len()).into());
+        }
+    }
+    let total: u64 = bytes.iter().sum();
+    Some(serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map}))
 }
 
 /// Removes weight files (model.safetensors, shards, the index) in `dir` that are not `kept`.
@@ -280,12 +308,22 @@ fn write_model_files(dir: &Path, files: &ModelFiles) -> Result<()> {
             let json = lora::adapter_config_json(spec, config.arch, files.base_model, "CAUSAL_LM");
             write_atomic(&dir.join(lora::ADAPTER_CONFIG), json.as_bytes())?;
         }
-        None => write_full_model(
-            dir,
-            files.model,
-            files.vs.variables().into_iter().collect(),
-            files.max_shard_bytes,
-        )?,
+        None => match files.written {
+            Some((from, names)) => {
+                for name in names {
+                    publish(&from.join(name), &dir.join(name))?;
+                }
+                remove_stale_weights(dir, names)?;
+                let config_json = model_config_json(config, &files.model.class_name())?;
+                write_atomic(&dir.join(CONFIG_FILE), config_json.as_bytes())?;
+            }
+            None => write_full_model(
+                dir,
+                files.model,
+                files.vs.variables().into_iter().collect(),
+                files.max_shard_bytes,
+            )?,
+        },
     }
     files.tokenizer.write(dir)?;
     write_atomic(&dir.join(RESOLVED_CONFIG), files.resolved_config.as_bytes())
@@ -340,6 +378,12 @@ pub enum OptimizerState {
 /// into the checkpoint.
 pub fn streamed_optimizer_path(output_dir: &Path, step: usize) -> PathBuf {
     output_dir.join(format!(".{OPTIMIZER_STATE}-{step}.partial"))
+}
+
+/// Where ZeRO stage 3 streams a save's weights (`tag`: the step, or `final`) before they move
+/// into the checkpoint or the output directory.
+pub fn streamed_model_dir(output_dir: &Path, tag: &str) -> PathBuf {
+    output_dir.join(format!(".model-{tag}.partial"))
 }
 
 /// Writes `checkpoint-STEP` atomically and removes the oldest beyond `keep` (0 keeps all),

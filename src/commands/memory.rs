@@ -80,7 +80,7 @@ pub fn run(args: &MemoryArgs) -> Result<String> {
                     e.runtime,
                     e.total(),
                 ];
-                let gb: Vec<String> = parts.iter().map(|b| format!("{:.1}", b / GB)).collect();
+                let gb: Vec<String> = parts.iter().map(|b| format!("{:.2}", b / GB)).collect();
                 let yes_no = if checkpointing { "yes" } else { "no" };
                 out.push_str(&format!(
                     "| {world} | {stage} | {yes_no} | {} |\n",

@@ -8,13 +8,15 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 use super::dataset::resolve_data;
+use super::layer_shards::LayerShards;
 use super::setup::{on_every_rank, prepare, set_up_numerics, ModelSource};
 use crate::config::Config;
 use crate::data::batching::{batch_labels, collate, Feature};
 use crate::dist::Dist;
 use crate::io::atomic_file::write_json;
 use crate::io::hf_files::CONFIG_FILE;
-use crate::models::{lora, TaskModel};
+use crate::models::{lora, LayerParams, TaskModel};
+use crate::optim::FlatParams;
 use crate::tasks::{self, EvalSet};
 
 /// Where evaluation results go in an output directory.
@@ -40,16 +42,21 @@ impl<'a> EvalOptions<'a> {
 }
 
 /// Evaluates on `set`: mean loss and the task's metrics, keys prefixed `eval_`, the same on
-/// every process.
+/// every process. Under ZeRO stage 3 (`stage3`) each layer's weights are gathered as the
+/// layer runs, and a rank with a batch fewer than another takes part in its gathers.
 pub fn evaluate(
     model: &TaskModel,
     set: &dyn EvalSet,
     opts: &EvalOptions,
     dist: &Dist,
+    stage3: Option<(&LayerShards, &FlatParams)>,
 ) -> Result<BTreeMap<String, f64>> {
     let features = set.features();
     let (rank, world) = (dist.topo.rank, dist.topo.world);
-    let shard = &features[features.len() * rank / world..features.len() * (rank + 1) / world];
+    let bounds = |r: usize| features.len() * r / world..features.len() * (r + 1) / world;
+    let shard = &features[bounds(rank)];
+    let pass = stage3.map(|(layers, flat)| layers.for_pass(flat, dist));
+    let params = pass.as_ref().map(|p| p as &dyn LayerParams);
     // Features of like length pad little: batches are formed longest first (as `predict`
     // does), and each feature's outputs go back to its place in the shard.
     let started = std::time::Instant::now();
@@ -60,11 +67,22 @@ pub fn evaluate(
     for indices in order.chunks(opts.batch_size) {
         let batch: Vec<&Feature> = indices.iter().map(|&i| shard[i]).collect();
         let (inputs, _) = collate(&batch, model.config.pad_token_id, opts.pad_to);
-        let out = tch::no_grad(|| model.forward(&inputs, false));
+        let out = tch::no_grad(|| match params {
+            Some(p) => model.forward_sharded(&inputs, false, false, Some(p)).0,
+            None => model.forward(&inputs, false),
+        });
         let labels = batch_labels(&batch, inputs.input_ids.size()[1] as usize)?;
         loss_sum += model.loss(&out, &labels)?.double_value(&[]) * batch.len() as f64;
         for (row, (&i, feature)) in indices.iter().zip(&batch).enumerate() {
             per_feature[i] = set.batch_outputs(&out.row(row as i64), &[feature])?;
+        }
+    }
+    if let Some((layers, flat)) = stage3 {
+        layers.take_error()?;
+        let batches = |r: usize| bounds(r).len().div_ceil(opts.batch_size.max(1));
+        let most = (0..world).map(batches).max().unwrap_or(0);
+        for _ in batches(rank)..most {
+            layers.idle_forward(flat, dist)?;
         }
     }
     let outputs: Vec<f32> = per_feature.concat();
@@ -135,6 +153,7 @@ pub fn evaluate_saved(
             set.as_ref(),
             &EvalOptions::new(config, Some(out)),
             dist,
+            None,
         )?;
         if root {
             write_eval_results(out, &m)?;

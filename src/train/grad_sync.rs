@@ -290,6 +290,29 @@ impl GradSync {
         Ok(())
     }
 
+    /// Under ZeRO stage 3, the weights (each rank keeps its own chunk of each bucket) gathered
+    /// a bucket at a time, in buffer order, and given to `sink` on rank 0 as they arrive: the
+    /// flat buffer's values from first to last, no rank holding more than a bucket of others'.
+    /// The first error `sink` returns comes back once every gather is done, so that every
+    /// rank leaves them together.
+    pub fn gather_params_to_root(
+        &self,
+        flat: &FlatParams,
+        dist: &Dist,
+        mut sink: impl FnMut(&[f32]) -> Result<()>,
+    ) -> Result<Result<()>> {
+        let mut written = Ok(());
+        for (i, own) in self.own.iter().enumerate() {
+            let mine = flat.params.narrow(0, own.start as i64, own.len() as i64);
+            let what = format!("weights of bucket {i}, to save");
+            let parts = dist.all_gather_f32(&what, Vec::<f32>::try_from(&mine)?)?;
+            if dist.is_root() && written.is_ok() {
+                written = parts.iter().try_for_each(|part| sink(part));
+            }
+        }
+        Ok(written)
+    }
+
     /// The moments of a sharded optimizer gathered a bucket at a time (no rank holds more than
     /// one bucket of another rank's state) and written by rank 0 to `path` as they arrive: a
     /// checkpoint's optimizer.safetensors, the same whatever the stage and world size. Rank 0
@@ -302,7 +325,10 @@ impl GradSync {
         path: &Path,
     ) -> Result<Option<Result<PathBuf>>> {
         let numel = self.buckets.last().map_or(0, |b| b.elems.end);
-        let names: Vec<(String, usize)> = moments.iter().map(|(n, _)| (n.clone(), numel)).collect();
+        let names: Vec<(String, Vec<usize>)> = moments
+            .iter()
+            .map(|(n, _)| (n.clone(), vec![numel]))
+            .collect();
         let mut file = dist
             .is_root()
             .then(|| StreamedSafetensors::create(path, &names));

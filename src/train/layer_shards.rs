@@ -4,8 +4,11 @@
 //! under activation checkpointing), the next layer's gather already on the wire while this one
 //! computes, and dropped as soon as the layer is done (`FlatParams::release_params`). The embeddings and the
 //! heads (stages L + 1 and 0, which tied LM heads and DeBERTa's relative positions use across
-//! the whole pass) are gathered at the start of a step and dropped at its end. Evaluation and
-//! saving gather the whole model for their duration, as FSDP's `summon_full_params`.
+//! the whole pass) are gathered at the start of a step and dropped at its end. Evaluation runs
+//! layer by layer as training's forward does; saving gathers a bucket at a time to rank 0,
+//! which writes it (`GradSync::gather_params_to_root`); only LoRA's adapters and the best
+//! model loaded at the end (`train.load_best_model_at_end`) are held whole
+//! ([`LayerShards::hold_whole`], FSDP's `summon_full_params`).
 //!
 //! The buckets of a stage-3 run never straddle two stages, so a stage is a run of whole
 //! buckets; each rank's chunk of a bucket is the one it updates (`dist::chunk`), so the
@@ -193,16 +196,30 @@ impl LayerShards {
     /// no micro-batch left in a step's last round takes part in every collective all the same.
     pub fn idle_pass(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
         let pass = self.for_pass(flat, dist);
-        let layers = self.stages.len().saturating_sub(2);
-        for s in (1..=layers).rev() {
-            pass.need(s, s - 1);
-            pass.done(s);
-        }
+        let layers = self.forward_gathers(&pass);
         for s in 1..=layers {
             pass.need(s, s + 1);
             pass.done(s);
         }
         self.take_error()
+    }
+
+    /// The gathers an evaluation batch's forward makes, without computing: a rank whose shard
+    /// of the evaluation set has a batch fewer takes part all the same.
+    pub fn idle_forward(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+        self.forward_gathers(&self.for_pass(flat, dist));
+        self.take_error()
+    }
+
+    /// What a forward pass tells `pass` (the layers from the first, stage L, to the last, 1);
+    /// the number of layers.
+    fn forward_gathers(&self, pass: &PassParams) -> usize {
+        let layers = self.stages.len().saturating_sub(2);
+        for s in (1..=layers).rev() {
+            pass.need(s, s - 1);
+            pass.done(s);
+        }
+        layers
     }
 
     fn is_layer(&self, s: usize) -> bool {

@@ -168,12 +168,12 @@ pub fn estimate(model: &ModelShape, run: &RunShape) -> Estimate {
     let weights = match stage {
         3 => {
             // The frozen weights, this rank's chunks, the embeddings and heads, and two layers
-            // (one running, the next arriving); evaluation and saving, after a step, hold the
-            // whole model but no activations, and the gradient's pages are free by then.
+            // (one running, the next arriving); evaluation gathers the same way, and saving a
+            // bucket at a time.
             let layer = (model.trainable - model.outside_layers) / model.layers.max(1.0);
             let frozen = model.weight_bytes - 4.0 * model.trainable;
             let pass = model.trainable / ranks + model.outside_layers + 2.0 * layer;
-            (frozen + 4.0 * pass).max(model.weight_bytes - activations - gradients)
+            frozen + 4.0 * pass
         }
         _ => model.weight_bytes,
     };

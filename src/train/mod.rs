@@ -17,6 +17,7 @@ mod grad_sync;
 mod layer_shards;
 pub mod memory;
 pub mod profile;
+mod save;
 pub mod setup;
 mod window;
 
@@ -27,7 +28,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::checkpoint::{self, ModelFiles, OptimizerState, TokenizerFiles, TrainerState};
+use crate::checkpoint::{self, OptimizerState, TokenizerFiles, TrainerState};
 use crate::config::{Config, EvalStrategy, OnSaveError, TrainConfig};
 use crate::data::batching::{batch_labels, collate, BatchPlan, Feature};
 use crate::data::masking::Masking;
@@ -549,26 +550,23 @@ impl<'a> Trainer<'a> {
             EvalStrategy::Epoch => epoch_done,
             EvalStrategy::No => false,
         };
-        if eval_now || last {
-            self.hold_whole_model()?;
-        }
         let evaluated = (eval_now || last) && self.evaluate(epoch)?;
         let save_now = (tc.save_steps > 0 && step % tc.save_steps == 0)
             || last
             || self.stop
             || (evaluated && tc.load_best_model_at_end);
         if save_now {
-            self.hold_whole_model()?;
+            let weights = self.stream_weights(&step.to_string())?;
             // Every rank's share of the optimizer state, gathered on rank 0, which saves.
             if let Some(optimizer) = self.optimizer_state()? {
-                self.save_checkpoint(optimizer)?;
+                self.save_checkpoint(optimizer, weights)?;
             }
         }
         Ok(())
     }
 
-    /// Under ZeRO stage 3, the whole model gathered on every rank, for evaluation and saving
-    /// (the next step drops it again).
+    /// Under ZeRO stage 3, the whole model gathered on every rank, for a save that writes it
+    /// from the variables (LoRA's, or the best model's at the end; the next step drops it).
     fn hold_whole_model(&self) -> Result<()> {
         match &self.layers {
             Some(layers) => layers.hold_whole(&self.opt.flat, self.dist),
@@ -594,22 +592,32 @@ impl<'a> Trainer<'a> {
     /// Rank 0 saves a checkpoint of this step. A failed save has left every earlier checkpoint
     /// as it was; it ends the run or, with `train.on_save_error = "continue"`, is reported
     /// (log, metrics.jsonl) and training goes on.
-    fn save_checkpoint(&mut self, optimizer: Result<OptimizerState>) -> Result<()> {
+    fn save_checkpoint(
+        &mut self,
+        optimizer: Result<OptimizerState>,
+        weights: Option<Result<Vec<String>>>,
+    ) -> Result<()> {
         let (tc, step) = (&self.config.train, self.state.global_step);
         let started = Instant::now();
         let streamed = matches!(optimizer, Ok(OptimizerState::Written(_)) | Err(_));
-        let saved = optimizer.and_then(|o| {
+        let weights_dir = checkpoint::streamed_model_dir(&self.out, &step.to_string());
+        let streamed_weights = weights.is_some();
+        let saved = weights.transpose().and_then(|names| {
+            let written = names.as_deref().map(|n| (weights_dir.as_path(), n));
             checkpoint::save_checkpoint(
                 &self.out,
-                &self.files(),
+                &self.files_with(written),
                 &self.state,
-                &o,
+                &optimizer?,
                 tc.save_total_limit,
             )
         });
         if streamed {
             // Moved into the checkpoint, or left by a failed save: not kept either way.
             let _ = std::fs::remove_file(checkpoint::streamed_optimizer_path(&self.out, step));
+        }
+        if streamed_weights {
+            let _ = std::fs::remove_dir_all(&weights_dir);
         }
         match saved {
             Ok(dir) => {
@@ -668,7 +676,15 @@ impl<'a> Trainer<'a> {
         };
         self.opt.settle(); // lazily updated rows, up to this step
         let options = EvalOptions::new(self.config, Some(&self.out));
-        let mut metrics = evaluate(&self.model, set, &options, self.dist)?;
+        // ZeRO stage 3: the layers gathered one at a time, as in a training pass.
+        let stage3 = self.layers.as_ref().map(|l| (l, &self.opt.flat));
+        if let Some((layers, flat)) = stage3 {
+            layers.begin_step(flat, self.dist)?;
+        }
+        let mut metrics = evaluate(&self.model, set, &options, self.dist, stage3)?;
+        if let Some((layers, flat)) = stage3 {
+            layers.end_step(flat, self.dist)?;
+        }
         let mut record = json!({"step": self.state.global_step, "epoch": epoch});
         for (k, v) in &metrics {
             record[k] = json!(v);
@@ -738,17 +754,6 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    fn files(&self) -> ModelFiles<'_> {
-        ModelFiles {
-            model: &self.model,
-            vs: &self.vs,
-            tokenizer: &self.tokenizer,
-            resolved_config: &self.resolved_config,
-            base_model: &self.config.model.name_or_path,
-            max_shard_bytes: self.max_shard_bytes,
-        }
-    }
-
     /// Says what the run will do, and marks the end of startup in metrics.jsonl (everything
     /// before the first step: libtorch loading, model, data, optimizer).
     fn announce_start(&mut self) -> Result<()> {
@@ -792,7 +797,13 @@ impl<'a> Trainer<'a> {
     /// the plot; every rank reports.
     fn finish(mut self) -> Result<Summary> {
         self.progress.finish();
-        self.hold_whole_model()?;
+        // The best model, loaded on rank 0, is written from its variables.
+        let weights = match (self.config.train.load_best_model_at_end)
+            && self.state.best_model_checkpoint.is_some()
+        {
+            true => self.hold_whole_model().map(|()| None)?,
+            false => self.stream_weights("final")?,
+        };
         let root = self.dist.is_root();
         if let Some(log) = self.log.as_mut() {
             log.write(&json!({
@@ -824,7 +835,7 @@ impl<'a> Trainer<'a> {
         }
         if root {
             self.opt.settle();
-            checkpoint::save_final(&self.out, &self.files())?;
+            self.save_final(weights)?;
             if !self.final_eval.is_empty() {
                 write_eval_results(&self.out, &self.final_eval)?;
             }

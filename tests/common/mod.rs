@@ -259,9 +259,27 @@ pub fn losses(out: &Path) -> Vec<f64> {
 
 /// A saved model's weights (model.safetensors in `dir`), sorted by name.
 pub fn weights(dir: &Path) -> Vec<(String, Tensor)> {
-    let mut w = read_safetensors(&dir.join("model.safetensors")).unwrap();
+    let mut w = Vec::new();
+    for file in weight_files(dir) {
+        w.extend(read_safetensors(&file).unwrap());
+    }
     w.sort_by(|a, b| a.0.cmp(&b.0));
     w
+}
+
+/// A saved model's weight files: model.safetensors, or the shards its index names.
+pub fn weight_files(dir: &Path) -> Vec<PathBuf> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return vec![dir.join("model.safetensors")];
+    }
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+    let files: std::collections::BTreeSet<&str> = (index["weight_map"].as_object().unwrap())
+        .values()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    files.into_iter().map(|f| dir.join(f)).collect()
 }
 
 /// A saved model's weights as flat f32 lists, for exact comparison.
