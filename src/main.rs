@@ -92,16 +92,9 @@ fn check(path: &std::path::Path, overrides: &[String]) -> Result<()> {
         &std::fs::read_to_string(path).context("cannot read the file")?,
         overrides,
     )?;
-    let (dir, random) = setup::resolve_model(&config, true)?;
-    let source = setup::ModelSource {
-        dir: &dir,
-        fresh: true,
-        random,
-    };
-    let num_labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
-    let adapt = |c: &mut models::HfConfig| num_labels.map_or(Ok(()), |n| c.set_num_labels(n));
-    let (pretrained, tokenizer) =
-        setup::load_model(&config, source, config.model.task.head(), adapt, true)?;
+    let (dir, plan) = setup::plan_from_config(&config, true)?;
+    let tokenizer = plan.tokenizer_json.clone();
+    let pretrained = setup::build_model(&config, plan, config.model.task.head(), true)?;
     let class = pretrained.model.class_name();
     let c = &pretrained.model.config;
     sprtrain::data::tokenizer::TextTokenizer::from_file(

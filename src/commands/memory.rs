@@ -8,9 +8,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 use crate::config::Config;
-use crate::models::HfConfig;
 use crate::train::memory::{available_per_rank, estimate, ModelShape, RunShape};
-use crate::train::setup::{plan_model, resolve_model, ModelSource};
+use crate::train::setup::plan_from_config;
 
 const GB: f64 = 1e9;
 
@@ -35,15 +34,7 @@ pub struct MemoryArgs {
 /// the config's activation checkpointing and, where it is off, with it on.
 pub fn run(args: &MemoryArgs) -> Result<String> {
     let config = Config::load(&args.config, &args.overrides)?;
-    let (dir, random) = resolve_model(&config, false)?;
-    let source = ModelSource {
-        dir: &dir,
-        fresh: true,
-        random,
-    };
-    let labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
-    let adapt = |c: &mut HfConfig| labels.map_or(Ok(()), |n| c.set_num_labels(n));
-    let plan = plan_model(&config, source, adapt)?;
+    let (dir, plan) = plan_from_config(&config, false)?;
     let shape = ModelShape::planned(&config, plan.hf, config.model.task.head())?;
     let stages = match args.stages.is_empty() {
         true => vec![config.dist.zero_stage],

@@ -43,7 +43,8 @@ impl<'a> EvalOptions<'a> {
 
 /// Evaluates on `set`: mean loss and the task's metrics, keys prefixed `eval_`, the same on
 /// every process. Under ZeRO stage 3 (`stage3`) each layer's weights are gathered as the
-/// layer runs, and a rank with a batch fewer than another takes part in its gathers.
+/// layer runs, as in a training pass, and a rank with a batch fewer than another takes part
+/// in its gathers; afterwards each rank holds only its own chunks again.
 pub fn evaluate(
     model: &TaskModel,
     set: &dyn EvalSet,
@@ -55,6 +56,9 @@ pub fn evaluate(
     let (rank, world) = (dist.topo.rank, dist.topo.world);
     let bounds = |r: usize| features.len() * r / world..features.len() * (r + 1) / world;
     let shard = &features[bounds(rank)];
+    if let Some((layers, flat)) = stage3 {
+        layers.begin_step(flat, dist)?;
+    }
     let pass = stage3.map(|(layers, flat)| layers.for_pass(flat, dist));
     let params = pass.as_ref().map(|p| p as &dyn LayerParams);
     // Features of like length pad little: batches are formed longest first (as `predict`
@@ -84,6 +88,7 @@ pub fn evaluate(
         for _ in batches(rank)..most {
             layers.idle_forward(flat, dist)?;
         }
+        layers.end_step(flat, dist)?;
     }
     let outputs: Vec<f32> = per_feature.concat();
     let seconds = started.elapsed().as_secs_f64();

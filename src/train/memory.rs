@@ -1,9 +1,10 @@
 //! The memory preflight: what a rank of this run will hold at its peak, against the memory its
 //! node has for it, checked from config.json before the model is built or loaded (the shapes
 //! come from an uninitialised build), so a run that cannot fit stops at once with settings that
-//! would, instead of being killed by the kernel mid-step or after minutes of loading. The bytes per parameter are exact (docs/memory.md); the activations are
-//! an estimate, calibrated on Llama-125M at seq 1024 (measured 66 KB a token a layer in fp32,
-//! against 63.5 KB from the formula below).
+//! would, instead of being killed by the kernel mid-step or after minutes of loading. The bytes
+//! per parameter are exact (docs/memory.md); the activations are an estimate, calibrated on
+//! Llama-125M at seq 1024 (measured 66 KB a token a layer in fp32, against 63.5 KB from the
+//! formula below).
 
 use anyhow::{bail, Result};
 
@@ -65,9 +66,7 @@ impl ModelShape {
             causal_lm: model.head == Head::CausalLm,
         }
     }
-}
 
-impl ModelShape {
     /// The shape of the `head` model `hf` describes, from an uninitialised build (instant at
     /// any size), its frozen weights at `model.dtype` (as the load will convert them).
     pub fn planned(config: &Config, hf: HfConfig, head: Head) -> Result<ModelShape> {

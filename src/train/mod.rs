@@ -676,15 +676,8 @@ impl<'a> Trainer<'a> {
         };
         self.opt.settle(); // lazily updated rows, up to this step
         let options = EvalOptions::new(self.config, Some(&self.out));
-        // ZeRO stage 3: the layers gathered one at a time, as in a training pass.
         let stage3 = self.layers.as_ref().map(|l| (l, &self.opt.flat));
-        if let Some((layers, flat)) = stage3 {
-            layers.begin_step(flat, self.dist)?;
-        }
         let mut metrics = evaluate(&self.model, set, &options, self.dist, stage3)?;
-        if let Some((layers, flat)) = stage3 {
-            layers.end_step(flat, self.dist)?;
-        }
         let mut record = json!({"step": self.state.global_step, "epoch": epoch});
         for (k, v) in &metrics {
             record[k] = json!(v);

@@ -16,18 +16,14 @@ use crate::checkpoint::streamed::StreamedModel;
 use crate::checkpoint::{self, ModelFiles};
 
 impl Trainer<'_> {
-    /// Whether saves stream the weights: ZeRO stage 3 training the whole model.
-    pub(super) fn streams_weights(&self) -> bool {
-        self.layers.is_some() && self.model.config.lora.is_none()
-    }
-
     /// The weights of a save (`tag`: its step, or `final`) where they stream: gathered into
     /// rank 0's files in `checkpoint::streamed_model_dir`, every rank taking part; rank 0 gets
     /// their names (or why it could not write them), the others None. Elsewhere the whole
     /// model is held on every rank (nothing to do below stage 3) and rank 0 writes it from its
     /// variables: None.
     pub(super) fn stream_weights(&mut self, tag: &str) -> Result<Option<Result<Vec<String>>>> {
-        if !self.streams_weights() {
+        // ZeRO stage 3 training the whole model (LoRA's adapters are a few MB).
+        if self.layers.is_none() || self.model.config.lora.is_some() {
             self.hold_whole_model()?;
             return Ok(None);
         }

@@ -96,6 +96,23 @@ pub fn plan_model(
     })
 }
 
+/// The plan of a new run's model from `config` alone (no data read): `model.name_or_path`
+/// resolved (with `report`, saying so where it falls back), `model.num_labels` sizing a new
+/// head; and the model's directory.
+pub fn plan_from_config(config: &Config, report: bool) -> Result<(PathBuf, ModelPlan)> {
+    let (dir, random) = resolve_model(config, report)?;
+    let source = ModelSource {
+        dir: &dir,
+        fresh: true,
+        random,
+    };
+    let labels = (config.model.num_labels > 0).then_some(config.model.num_labels);
+    let plan = plan_model(config, source, |c| {
+        labels.map_or(Ok(()), |n| c.set_num_labels(n))
+    })?;
+    Ok((dir, plan))
+}
+
 /// Builds the planned model with its `head`; with `report`, says what the load did. Checks
 /// `model.max_seq_len` against the model's positions.
 pub fn build_model(
@@ -162,21 +179,6 @@ fn frozen_to_bf16(config: &Config, vs: &tch::nn::VarStore) -> Result<()> {
     // The fp32 copies, freed tensor by tensor, back to the system (tcmalloc keeps them).
     crate::runtime::allocator::release_free_memory();
     Ok(())
-}
-
-/// The run's model with its `head` from `source`, and its tokenizer.json; `adapt` changes
-/// config.json first. With `report`, says what the load did. Checks `model.max_seq_len`
-/// against the model's positions.
-pub fn load_model(
-    config: &Config,
-    source: ModelSource,
-    head: Head,
-    adapt: impl FnOnce(&mut HfConfig) -> Result<()>,
-    report: bool,
-) -> Result<(models::Pretrained, PathBuf)> {
-    let plan = plan_model(config, source, adapt)?;
-    let tokenizer_json = plan.tokenizer_json.clone();
-    Ok((build_model(config, plan, head, report)?, tokenizer_json))
 }
 
 /// A run's model and tokenized data.
