@@ -250,17 +250,24 @@ impl FlatParams {
         self.params.numel() as i64
     }
 
-    /// Zeroes `range` of the flat gradient and marks its whole pages free (MADV_FREE): under
-    /// ZeRO stage 2 a bucket's full gradient is dropped once its sum has been sent. The kernel
-    /// takes such pages back when memory runs short (without swap: they hold nothing to keep),
-    /// and until then the next backward writes them again without a page fault. (Giving them
-    /// back at once, MADV_DONTNEED, made every step fault the whole gradient in again: backward
-    /// 1.66 s -> 2.20 s on Llama-125M, docs/memory.md.) Either way they read as zeros.
-    pub fn release_grads(&self, range: std::ops::Range<usize>) {
-        // SAFETY: the caller is done with this range of the gradient until the next backward,
-        // and nothing else reads or writes it meanwhile.
+    /// Moves `range` of the flat gradient into `into` (reused), leaving zeros, and marks its
+    /// whole pages free (MADV_FREE): under ZeRO stage 2 a bucket's full gradient is dropped as
+    /// its sum is sent. The copy and the zeroing go a few pages at a time, so the zeros are
+    /// written while the values are still in cache. The kernel takes such pages back when
+    /// memory runs short (without swap: they hold nothing to keep), and until then the next
+    /// backward writes them again without a page fault. (Giving them back at once,
+    /// MADV_DONTNEED, made every step fault the whole gradient in again: backward 1.66 s ->
+    /// 2.20 s on Llama-125M, docs/memory.md.) Either way they read as zeros.
+    pub fn take_grads(&self, range: std::ops::Range<usize>, into: &mut Vec<f32>) {
+        // SAFETY: the caller is done with this range of the gradient until the next backward
+        // (backward is past all of its parameters), and nothing else reads or writes it.
         let grads = unsafe { self.grads_mut(range) };
-        grads.fill(0.0);
+        into.clear();
+        into.reserve(grads.len());
+        for piece in grads.chunks_mut(TAKE_PIECE) {
+            into.extend_from_slice(piece);
+            piece.fill(0.0);
+        }
         give_back_pages(grads, libc::MADV_FREE);
     }
 
@@ -274,17 +281,21 @@ impl FlatParams {
     }
 
     /// Drops `range` of the parameters until it is gathered again (ZeRO stage 3: a layer's
-    /// weights that other ranks own, once the layer is done): filled with NaN, its whole pages
-    /// marked free (MADV_FREE). The kernel takes such pages back when memory runs short (they
-    /// then read as zeros), and until then the next gather writes them again without a page
-    /// fault: giving them back at once (MADV_DONTNEED) cost Llama-125M at 2 ranks 20% of its
-    /// tokens/s (docs/performance-notes.md). Either way a layer run without its weights shows
-    /// in the numbers (NaN, or zeros) instead of quietly using stale ones.
+    /// weights that other ranks own, once the layer is done): its whole pages marked free
+    /// (MADV_FREE). The kernel takes such pages back when memory runs short (they then read as
+    /// zeros), and until then the next gather writes them again without a page fault: giving
+    /// them back at once (MADV_DONTNEED) cost Llama-125M at 2 ranks 20% of its tokens/s
+    /// (docs/performance-notes.md). Debug builds also fill the range with NaN, so that a layer
+    /// run without its weights fails loudly whether or not the kernel took the pages; release
+    /// builds leave the last gathered values (a stale layer shows in the stage-3 equivalence
+    /// tests, and the fill cost 4% of the step).
     pub fn release_params(&self, range: std::ops::Range<usize>) {
         // SAFETY: the caller is done with this range until it gathers it again, and nothing
         // else reads or writes it meanwhile.
         let params = unsafe { self.params_range_mut(range) };
-        params.fill(f32::NAN);
+        if cfg!(debug_assertions) {
+            params.fill(f32::NAN);
+        }
         give_back_pages(params, libc::MADV_FREE);
     }
 
@@ -307,6 +318,9 @@ impl FlatParams {
 /// `values`, a range of a private anonymous mapping (the flat buffers: `buffers::lazy_zeros`,
 /// or a heap allocation of their size) that nothing uses until it is written again. Advice
 /// only: where the kernel refuses it the pages simply stay.
+/// Elements [`FlatParams::take_grads`] copies then zeroes at a time: 64 KB, within L2.
+const TAKE_PIECE: usize = 16 * 1024;
+
 fn give_back_pages(values: &mut [f32], advice: libc::c_int) {
     let addr = values.as_mut_ptr() as usize;
     let first_page = addr.next_multiple_of(4096);
@@ -513,6 +527,12 @@ impl AdamW {
     /// The shard's ranges of the flat buffer, in order; their state lies back to back.
     pub fn shard(&self) -> &Shard {
         &self.shard
+    }
+
+    /// Whether this rank sums its gradient into a shard of its own (ZeRO stage 2) rather than
+    /// into its chunks of the flat gradient.
+    pub fn has_shard_grads(&self) -> bool {
+        self.shard_grads.is_some()
     }
 
     /// ZeRO stage 2: `range` (in the shard's state order) of the shard's gradient, for the

@@ -9,7 +9,7 @@
 //! chunk only) and keeps optimizer state for its chunks alone; stage 2 also drops the full
 //! gradient once a bucket is sent, so every micro-batch's backward is reduced as it completes
 //! and the sums accumulate into the shard. After the step each rank's updated chunks are
-//! all-gathered, and every rank again holds the whole model.
+//! all-gathered (`LayerShards::refresh`), and every rank again holds the whole model.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -35,7 +35,7 @@ pub struct Bucket {
 
 /// Cuts the flat buffer into buckets of about `bytes` (never splitting a parameter), in
 /// buffer order, i.e. the order backward fills them; with `stage`, also wherever the stage
-/// changes (ZeRO stage 3 gathers a layer's buckets alone).
+/// changes (under ZeRO a layer's buckets are gathered alone).
 pub fn plan_buckets(
     slots: &[Slot],
     bytes: usize,
@@ -126,7 +126,7 @@ impl GradSync {
         let buckets = plan_buckets(
             &flat.slots,
             (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
-            (zero_stage == 3).then_some(&stage_of as &dyn Fn(&str) -> usize),
+            (zero_stage > 0).then_some(&stage_of as &dyn Fn(&str) -> usize),
         );
         let own = own_chunks(&buckets, world, rank);
         let own_at = own
@@ -179,12 +179,19 @@ impl GradSync {
         }
     }
 
-    /// Under ZeRO stage 3, the layers' weights gathered and dropped around their use (the
-    /// buckets never straddle two stages there); None at other stages.
+    /// Under ZeRO, where each layer's weights are: at stage 3 gathered and dropped around
+    /// their use, at stages 1-2 gathered after each step as the next forward reaches them (the
+    /// buckets never straddle two stages under ZeRO); None at stage 0.
     pub fn layer_shards(&self, layers: usize) -> Option<LayerShards> {
-        (self.zero_stage == 3).then(|| {
+        (self.zero_stage > 0).then(|| {
             let buckets = self.buckets.iter().map(|b| b.elems.clone()).collect();
-            LayerShards::new(buckets, self.own.clone(), &self.stages, layers)
+            LayerShards::new(
+                buckets,
+                self.own.clone(),
+                &self.stages,
+                layers,
+                self.zero_stage,
+            )
         })
     }
 
@@ -209,7 +216,11 @@ impl GradSync {
             if self.stages[i] > done {
                 break;
             }
-            flat.read_grads(b.elems.clone(), &mut self.bufs[i]);
+            // Stage 2 keeps no full gradient: the bucket's leaves with its sum.
+            match opt.adamw.has_shard_grads() {
+                true => flat.take_grads(b.elems.clone(), &mut self.bufs[i]),
+                false => flat.read_grads(b.elems.clone(), &mut self.bufs[i]),
+            }
             let what = format!(
                 "gradient bucket {i} (elements {}..{}) of step {}",
                 b.elems.start, b.elems.end, self.step
@@ -224,8 +235,6 @@ impl GradSync {
                     let dst = flat.grads_mut(b.elems.clone());
                     dist.start_allreduce_into(what, send, dst, bf16)?
                 } else if let Some(shard) = opt.adamw.shard_grads_mut(at..at + own.len()) {
-                    // Sent: the full gradient of this bucket is no longer needed.
-                    flat.release_grads(b.elems.clone());
                     dist.start_reduce_scatter_into(what, send, shard, bf16, true)?
                 } else {
                     dist.start_reduce_scatter_into(what, send, flat.grads_mut(own), bf16, false)?
@@ -259,33 +268,6 @@ impl GradSync {
             if self.zero_stage == 0 {
                 self.bufs[i] = send;
             }
-        }
-        Ok(())
-    }
-
-    /// Under ZeRO stages 1 and 2, after the optimizer step: every rank's updated chunks of the
-    /// parameters gathered into every rank's copy, all buckets in flight at once. (Stage 3
-    /// gathers each layer when it is next needed: `LayerShards`.)
-    pub fn gather_params(&mut self, flat: &FlatParams, dist: &Dist) -> Result<()> {
-        if !matches!(self.zero_stage, 1 | 2) {
-            return Ok(());
-        }
-        // SAFETY: the optimizer is done with the parameters, and no libtorch op runs on them
-        // until the gathers have been waited for below; the buckets cut the buffer into
-        // disjoint pieces, in order.
-        let mut rest = unsafe { flat.params_mut() };
-        let mut pending = Vec::with_capacity(self.buckets.len());
-        for (i, b) in self.buckets.iter().enumerate() {
-            let (bucket, tail) = std::mem::take(&mut rest).split_at_mut(b.elems.len());
-            rest = tail;
-            let own = self.own[i].start - b.elems.start..self.own[i].end - b.elems.start;
-            let mine = bucket[own].to_vec();
-            let what = format!("parameter bucket {i} of step {}", self.step);
-            // SAFETY: see above.
-            pending.push(unsafe { dist.start_all_gather_into(what, mine, bucket)? });
-        }
-        for p in pending {
-            p.wait(dist)?;
         }
         Ok(())
     }
@@ -371,7 +353,7 @@ mod tests {
             elems(plan_buckets(&slots, 4 * 1_000_000, None)),
             vec![0..1100]
         );
-        // ZeRO stage 3 also cuts where the stage changes (here between the second and third).
+        // ZeRO also cuts where the stage changes (here between the second and third).
         let stage = |name: &str| usize::from(name == "deep");
         let mut staged = slots.clone();
         staged[2].name = "deep".into();

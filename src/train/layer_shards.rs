@@ -10,7 +10,12 @@
 //! model loaded at the end (`train.load_best_model_at_end`) are held whole
 //! ([`LayerShards::hold_whole`], FSDP's `summon_full_params`).
 //!
-//! The buckets of a stage-3 run never straddle two stages, so a stage is a run of whole
+//! Under stages 1 and 2 the whole model stays on every rank ([`LayerShards::keeps_whole`]):
+//! after the optimizer step only this rank's chunks are current, and the gathers of the
+//! others' start at once, in the order the next forward needs them, each layer waiting for its
+//! own before it runs (the gather no longer stands between one step and the next).
+//!
+//! The buckets of a ZeRO run never straddle two stages, so a stage is a run of whole
 //! buckets; each rank's chunk of a bucket is the one it updates (`dist::chunk`), so the
 //! parameters it keeps are exactly those its optimizer steps.
 
@@ -45,6 +50,9 @@ pub struct LayerShards {
     held: RefCell<Vec<Weights>>,
     /// The last layer's weights, used in forward, are kept for backward, which starts with it.
     keep_last_layer: Cell<bool>,
+    /// ZeRO stages 1-2: nothing is ever dropped; only the gathers after a step are waited for
+    /// layer by layer.
+    keep_whole: bool,
     /// The first failed collective of a pass, reported when the pass is over (models, which
     /// ask for the weights, know nothing of MPI errors).
     error: RefCell<Option<anyhow::Error>>,
@@ -52,14 +60,15 @@ pub struct LayerShards {
 
 impl LayerShards {
     /// `buckets` (elements) with this rank's chunk of each and each bucket's stage, in buffer
-    /// order (stages ascending), for a model of `layers` layers; every stage is held whole at
-    /// first (all ranks start from the broadcast model). A stage with nothing to train
-    /// (LoRA's) has no buckets.
+    /// order (stages ascending), for a model of `layers` layers, at ZeRO stage `zero_stage`
+    /// (1-3); every stage is held whole at first (all ranks start from the broadcast model). A
+    /// stage with nothing to train (LoRA's) has no buckets.
     pub fn new(
         buckets: Vec<Range<usize>>,
         own: Vec<Range<usize>>,
         bucket_stages: &[usize],
         layers: usize,
+        zero_stage: u8,
     ) -> LayerShards {
         let count = layers + 2;
         let mut stages = vec![0..0; count];
@@ -74,9 +83,16 @@ impl LayerShards {
             own,
             held: RefCell::new((0..count).map(|_| Weights::Whole).collect()),
             keep_last_layer: Cell::new(false),
+            keep_whole: zero_stage < 3,
             stages,
             error: RefCell::new(None),
         }
+    }
+
+    /// Whether the whole model stays on every rank (stages 1-2) rather than each layer's
+    /// weights only around their use (stage 3).
+    pub fn keeps_whole(&self) -> bool {
+        self.keep_whole
     }
 
     /// Stages 0 and L + 1: held across a whole step's passes.
@@ -139,6 +155,9 @@ impl LayerShards {
     /// layer's gather started.
     pub fn begin_step(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
         let ends = self.ends();
+        if self.keep_whole {
+            return ends.iter().try_for_each(|&s| self.hold(s, flat, dist));
+        }
         for s in 0..self.stages.len() {
             if !ends.contains(&s) {
                 self.release(s, flat, dist)?;
@@ -157,8 +176,28 @@ impl LayerShards {
     /// After a step's last backward: nothing but this rank's chunks kept, for the optimizer
     /// step (which updates just those).
     pub fn end_step(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+        if self.keep_whole {
+            return Ok(());
+        }
         for s in 0..self.stages.len() {
             self.release(s, flat, dist)?;
+        }
+        Ok(())
+    }
+
+    /// After the optimizer step, at stages 1-2: this rank updated its own chunks alone, so
+    /// every stage's gather starts, the embeddings and heads first, then the layers in forward
+    /// order; the next step's passes wait for each as they reach it. (Stage 3 gathers in
+    /// `begin_step` and as the layers come.)
+    pub fn refresh(&self, flat: &FlatParams, dist: &Dist) -> Result<()> {
+        if !self.keep_whole {
+            return Ok(());
+        }
+        let layers = (1..self.stages.len().saturating_sub(1)).rev();
+        for s in self.ends().into_iter().chain(layers) {
+            self.hold(s, flat, dist)?; // none is in flight after a step: nothing to wait for
+            self.held.borrow_mut()[s] = Weights::Released;
+            self.fetch(s, flat, dist)?;
         }
         Ok(())
     }
@@ -259,7 +298,7 @@ impl LayerParams for PassParams<'_> {
 
     fn done(&self, stage: usize) {
         let s = self.shards;
-        if s.is_layer(stage) && !s.keep_last_layer.replace(false) {
+        if s.is_layer(stage) && !s.keep_last_layer.replace(false) && !s.keep_whole {
             self.keep_error(s.release(stage, self.flat, self.dist));
         }
     }

@@ -190,7 +190,8 @@ pub struct Trainer<'a> {
     total_steps: usize,
     opt: Optimizer,
     sync: GradSync,
-    /// ZeRO stage 3: the layers' weights gathered around their use.
+    /// Under ZeRO, the layers' weights gathered as the passes reach them (stage 3: and
+    /// dropped after use).
     layers: Option<LayerShards>,
     state: TrainerState,
     log: Option<MetricsLog>,
@@ -371,7 +372,9 @@ impl<'a> Trainer<'a> {
         self.opt.adamw.release_shard_grads();
         times.optimizer += t.elapsed().as_secs_f64();
         let t = Instant::now();
-        self.sync.gather_params(&self.opt.flat, self.dist)?;
+        if let Some(layers) = &self.layers {
+            layers.refresh(&self.opt.flat, self.dist)?; // waited for by the next passes
+        }
         times.comm_exposed += t.elapsed().as_secs_f64();
         if !totals[0].is_finite() {
             bail!(
@@ -496,7 +499,10 @@ impl<'a> Trainer<'a> {
                     .forward_sharded(&inputs, true, checkpoint, params);
                 (output, Some(stages))
             }
-            false => (self.model.forward(&inputs, true), None),
+            false => {
+                self.hold_whole_model()?; // the layers wait for nothing in a plain pass
+                (self.model.forward(&inputs, true), None)
+            }
         };
         let loss = self.model.loss(&output, &labels)? / micro_in_step;
         times.forward += t.elapsed().as_secs_f64();
@@ -565,8 +571,15 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// Under ZeRO stage 3, the whole model gathered on every rank, for a save that writes it
-    /// from the variables (LoRA's, or the best model's at the end; the next step drops it).
+    /// The layer shards of a ZeRO stage-3 run, which never holds the whole model.
+    fn stage3(&self) -> Option<&LayerShards> {
+        self.layers.as_ref().filter(|l| !l.keeps_whole())
+    }
+
+    /// Under ZeRO, the whole model on every rank: at stages 1-2 the step's gathers waited for,
+    /// before anything but a training pass reads the weights; at stage 3 gathered, for a save
+    /// that writes it from the variables (LoRA's, or the best model's at the end; the next
+    /// step drops it).
     fn hold_whole_model(&self) -> Result<()> {
         match &self.layers {
             Some(layers) => layers.hold_whole(&self.opt.flat, self.dist),
@@ -676,7 +689,10 @@ impl<'a> Trainer<'a> {
         };
         self.opt.settle(); // lazily updated rows, up to this step
         let options = EvalOptions::new(self.config, Some(&self.out));
-        let stage3 = self.layers.as_ref().map(|l| (l, &self.opt.flat));
+        if self.stage3().is_none() {
+            self.hold_whole_model()?;
+        }
+        let stage3 = self.stage3().map(|l| (l, &self.opt.flat));
         let mut metrics = evaluate(&self.model, set, &options, self.dist, stage3)?;
         let mut record = json!({"step": self.state.global_step, "epoch": epoch});
         for (k, v) in &metrics {

@@ -23,7 +23,7 @@ impl Trainer<'_> {
     /// variables: None.
     pub(super) fn stream_weights(&mut self, tag: &str) -> Result<Option<Result<Vec<String>>>> {
         // ZeRO stage 3 training the whole model (LoRA's adapters are a few MB).
-        if self.layers.is_none() || self.model.config.lora.is_some() {
+        if self.stage3().is_none() || self.model.config.lora.is_some() {
             self.hold_whole_model()?;
             return Ok(None);
         }
