@@ -26,6 +26,10 @@ Rows (issue 6):
      into 512-token blocks, batch 1, 2 threads, against Trainer (scripts/bench_reference_lm.py):
      tokens/s and MFU in fp32, bf16 where the CPU has bf16 units, LoRA r=16 on q/v (PEFT on the
      reference side) with peak memory against full fine-tuning
+  k  what activation checkpointing saves and costs: row l's model in one process at seq 1024,
+     2 threads, fp32, with and without train.gradient_checkpointing in `--repeats` alternating
+     pairs, and once at seq 8 (next to no activations): activation memory (a run's peak RSS
+     less the seq-8 run's) and step time, checkpointed against plain
   z  what does not fit one rank (docs/memory.md): the ZeRO stages 0-3 of row l's model on 2
      ranks, one thread each, fp32, against PyTorch's own counterparts over gloo (DDP,
      ZeroRedundancyOptimizer, FSDP2 without and with resharding after forward:
@@ -35,7 +39,7 @@ Rows (issue 6):
      and the 1.1B model (configs/models/llama-1.1b) fully fine-tuned in one process, bf16 where
      the CPU has bf16 units, with activation checkpointing, against Trainer with
      gradient_checkpointing=True (one pair: about 6 minutes)
-Rows g, h and l, like row a, report the medians of `--repeats` alternating pairs of runs; row z
+Rows g, h, k and l, like row a, report the medians of `--repeats` alternating pairs of runs; row z
 runs its sprtrain stages in `--repeats` alternating rounds and reports their medians.
 
 Each training run takes `steps` optimizer steps; the first `warmup` are not measured. A step's
@@ -204,6 +208,26 @@ def modelled_state_ratios(config: Path, sets) -> dict:
         if len(cells) == 10 and cells[0] == "4":
             state[int(cells[1])] = sum(float(c) for c in cells[3:6])
     return {stage: state[stage] / state[0] for stage in state}
+
+
+def checkpointing_row(args, out_dir: Path, steps: int, warmup: int) -> dict:
+    """Row k: activation memory and step time of Llama-125M at seq 1024, checkpointed against
+    plain, in `repeats` alternating pairs (medians), over a seq-8 run's peak RSS."""
+    text = ROOT.parent / "shared/data/tinyshakespeare/input.txt"
+    run = lambda name, sets: sprtrain_run(name, out_dir, [f"data.train_file={text}"] + sets, steps, 1, config=LM_CONFIG)
+    floor = run("k-seq8", ["model.max_seq_len=8"])["ru_maxrss_mib"]
+    pairs = []
+    for r in range(args.repeats):
+        pair = {}
+        for tag, on in (("plain", "false"), ("checkpointed", "true")):
+            got = run(f"k-{tag}-{r + 1}", ["model.max_seq_len=1024", f"train.gradient_checkpointing={on}"])
+            pair[tag] = {"activation_mib": max(0.0, got["ru_maxrss_mib"] - floor), "step_s": mean_step_s(got, warmup)}
+        pairs.append(pair)
+    return {"seq8_mib": floor, "pairs": pairs,
+            "plain_activation_mib": median(p["plain"]["activation_mib"] for p in pairs),
+            "checkpointed_activation_mib": median(p["checkpointed"]["activation_mib"] for p in pairs),
+            "memory_ratio": median(p["checkpointed"]["activation_mib"] / p["plain"]["activation_mib"] for p in pairs),
+            "step_ratio": median(p["checkpointed"]["step_s"] / p["plain"]["step_s"] for p in pairs)}
 
 
 def zero_row(args, out_dir: Path, steps: int, warmup: int, bf16: bool) -> dict:
@@ -464,8 +488,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 steps a run (1 warm-up) instead of 12 (2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/squad/xquad.en.json")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating pairs of runs in rows a, g, h and l, alternating rounds of row z's sprtrain stages (medians reported)")
-    ap.add_argument("--rows", default="abcdefghjlz", help="which rows to run (a-d come from one pair of runs)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating pairs of runs in rows a, g, h, k and l, alternating rounds of row z's sprtrain stages (medians reported)")
+    ap.add_argument("--rows", default="abcdefghjklz", help="which rows to run (a-d come from one pair of runs)")
     args = ap.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"bench: {args.data} not found (XQuAD English, ../shared/data/squad)")
@@ -604,6 +628,8 @@ def main() -> int:
             lm[tag] = median_of_pairs(pairs)
         rows["l"] = lm
 
+    if "k" in args.rows:
+        rows["k"] = checkpointing_row(args, args.out, steps, warmup)
     if "z" in args.rows:
         rows["z"] = zero_row(args, args.out, steps, warmup, bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"])))
 
@@ -691,6 +717,11 @@ def markdown(rep) -> str:
         lines.append(f"| l | tokens/s LoRA r=16 on q/v, fp32 | {lo['sprtrain_tokens_per_s']:.0f} | {lo['reference_tokens_per_s']:.0f} | {lo['ratio']:.2f}x | | |")
         mem = lo["sprtrain_mib"] / f32["sprtrain_mib"]
         lines.append(f"| l | peak resident memory, LoRA / full fine-tuning (MiB) | {mem:.2f} ({lo['sprtrain_mib']:.0f} / {f32['sprtrain_mib']:.0f}) | {lo['reference_mib'] / f32['reference_mib']:.2f} ({lo['reference_mib']:.0f} / {f32['reference_mib']:.0f}) | | <= 0.5x | {yes(mem <= 0.5)} |")
+    if "k" in rows:
+        k = rows["k"]
+        n = len(k["pairs"])
+        lines.append(f"| k | activation memory (peak RSS less a seq-8 run's {k['seq8_mib']:.0f} MiB), Llama-125M, seq 1024, one process, fp32, 2 threads: checkpointed / plain (medians of {n} alternating pairs) | {k['memory_ratio']:.2f} ({k['checkpointed_activation_mib']:.0f} / {k['plain_activation_mib']:.0f} MiB) | | | <= 0.35x | {yes(k['memory_ratio'] <= 0.35)} |")
+        lines.append(f"| k | step time, the same runs: checkpointed / plain | {k['step_ratio']:.2f}x | | | <= 1.35x | {yes(k['step_ratio'] <= 1.35)} |")
     if "z" in rows:
         lines += zero_lines(rows["z"], yes)
     return "\n".join(lines) + "\n"
