@@ -167,6 +167,42 @@ fn damaged_or_newer_checkpoints_are_refused_in_one_line() {
     assert!(before == snapshot(&out), "a refused resume changed files");
 }
 
+/// A checkpoint resumed under a config naming another model (here one layer more) is refused
+/// with one line naming the key that differs, instead of training the checkpoint's model
+/// under a config that says otherwise; nothing in the output directory changes.
+#[test]
+fn a_checkpoint_of_another_model_is_refused_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = trained(tmp.path(), "out");
+    let other = tmp.path().join("other-model");
+    std::fs::create_dir(&other).unwrap();
+    for entry in std::fs::read_dir(common::tiny_classifier()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, other.join(path.file_name().unwrap())).unwrap();
+    }
+    let config_json = other.join("config.json");
+    let mut hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_json).unwrap()).unwrap();
+    let layers = hf["num_hidden_layers"].as_i64().unwrap();
+    hf["num_hidden_layers"] = (layers + 1).into();
+    std::fs::write(&config_json, hf.to_string()).unwrap();
+    let before = snapshot(&out);
+    let run = RunConfig::new(&other, &tmp.path().join("train.tsv"), &out);
+    let config = write(tmp.path(), &out, run);
+    let refused = sprtrain()
+        .args(["--config", config.to_str().unwrap(), "--resume", "latest"])
+        .output()
+        .unwrap();
+    let line = one_line_failure(refused);
+    let want = format!(
+        "the checkpoint holds another model than model.name_or_path = {} (num_hidden_layers {layers} there, {} here)",
+        other.display(),
+        layers + 1
+    );
+    assert!(line.contains(&want), "{line}");
+    assert!(before == snapshot(&out), "a refused resume changed files");
+}
+
 /// What a save does, traced with strace: each file published into a checkpoint, the final
 /// model and the plot is synced (fsync/fdatasync on a descriptor of its temporary name) before
 /// the rename that publishes it, the directory it lands in is synced after that rename, and

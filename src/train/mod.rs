@@ -232,6 +232,9 @@ impl<'a> Trainer<'a> {
         // The data (its labels can size the head), and the pretrained model with a head for
         // this task, or the checkpoint to resume.
         let (model_dir, random) = resolve_model(config, root)?;
+        if let Some(dir) = &resume_dir {
+            setup::check_resumed_model(config, &model_dir, dir)?;
+        }
         let data = tasks::read(config, &resolve_data(config, root)?, root)?;
         startup::mark("read_data");
         let source = ModelSource {

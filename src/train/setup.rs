@@ -96,6 +96,42 @@ pub fn plan_model(
     })
 }
 
+/// A resumed run goes on with the checkpoint's model. A config whose `model.name_or_path` is
+/// another model (another family or other shapes) is refused in one line rather than quietly
+/// set aside; where the config's model cannot be read here (a Hub id offline) or the
+/// checkpoint holds LoRA adapters alone (the base is the config's), there is nothing to compare.
+pub fn check_resumed_model(config: &Config, model_dir: &Path, resume_dir: &Path) -> Result<()> {
+    let read = |dir: &Path| HfConfig::from_file(&dir.join(CONFIG_FILE)).ok();
+    let (Some(ours), Some(saved)) = (read(model_dir), read(resume_dir)) else {
+        return Ok(());
+    };
+    let shape = |c: &HfConfig| {
+        [
+            ("model_type", format!("{:?}", c.arch)),
+            ("vocab_size", c.vocab_size.to_string()),
+            ("hidden_size", c.hidden_size.to_string()),
+            ("embedding_size", c.embedding_size.to_string()),
+            ("num_hidden_layers", c.num_layers.to_string()),
+            ("num_attention_heads", c.num_heads.to_string()),
+            ("num_key_value_heads", c.num_kv_heads.to_string()),
+            ("head_dim", c.head_dim.to_string()),
+            ("intermediate_size", c.intermediate_size.to_string()),
+        ]
+    };
+    let differs = shape(&saved)
+        .into_iter()
+        .zip(shape(&ours))
+        .find(|((_, a), (_, b))| a != b);
+    if let Some(((key, there), (_, here))) = differs {
+        bail!(
+            "--resume {}: the checkpoint holds another model than model.name_or_path = {} ({key} {there} there, {here} here); resume with the config that trained it",
+            resume_dir.display(),
+            config.model.name_or_path
+        );
+    }
+    Ok(())
+}
+
 /// The plan of a new run's model from `config` alone (no data read): `model.name_or_path`
 /// resolved (with `report`, saying so where it falls back), `model.num_labels` sizing a new
 /// head; and the model's directory.
