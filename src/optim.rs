@@ -314,13 +314,13 @@ impl FlatParams {
     }
 }
 
+/// Elements [`FlatParams::take_grads`] copies then zeroes at a time: 64 KB, within L2.
+const TAKE_PIECE: usize = 16 * 1024;
+
 /// Advises the kernel (`advice`: MADV_FREE or MADV_DONTNEED) of the whole pages inside
 /// `values`, a range of a private anonymous mapping (the flat buffers: `buffers::lazy_zeros`,
 /// or a heap allocation of their size) that nothing uses until it is written again. Advice
 /// only: where the kernel refuses it the pages simply stay.
-/// Elements [`FlatParams::take_grads`] copies then zeroes at a time: 64 KB, within L2.
-const TAKE_PIECE: usize = 16 * 1024;
-
 fn give_back_pages(values: &mut [f32], advice: libc::c_int) {
     let addr = values.as_mut_ptr() as usize;
     let first_page = addr.next_multiple_of(4096);
